@@ -1,0 +1,265 @@
+// Vectorised CPU pooling kernels. Compiled once per CPU capability: CPU_CAPABILITY is DEFAULT, AVX2 or AVX512
+// and names the namespace of this copy (see CMakeLists.txt and pool_kernels_dispatch.cpp).
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common/dispatch.h"
+#include "cpu/pool_kernels.h"
+
+namespace lmk_ops::cpu::CPU_CAPABILITY {
+namespace {
+
+using at::vec::Vectorized;
+
+template <typename scalar_t>
+using acc_t = at::opmath_type<scalar_t>;  // float for half/bfloat16/float, double for double
+
+// Work split for the forward kernels: tasks are (text b, block of features [d0, d0 + n)). Each task walks its
+// text's valid rows in increasing l and reduces the block into an accumulator on its stack, so every element's
+// result depends only on that text's data, in a fixed order: a text pools to the same bits alone or in a batch,
+// whatever the thread count. Blocks are whole rows when there are enough texts to occupy every thread, and are
+// split (down to kMinBlock, which keeps each row read a long contiguous run for the prefetcher) when B is small.
+constexpr int64_t kMaxBlock = 1024;
+constexpr int64_t kMinBlock = 256;
+constexpr int64_t kTasksPerThread = 4;
+// Below this many elements of work per chunk, at::parallel_for keeps the work on one thread.
+constexpr int64_t kMinParallelWork = int64_t{1} << 15;
+
+int64_t feature_block(int64_t batch, int64_t dim) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t blocks_per_text = std::max<int64_t>(1, (kTasksPerThread * threads + batch - 1) / batch);
+  int64_t block = (dim + blocks_per_text - 1) / blocks_per_text;
+  block = (block + 63) / 64 * 64;  // keeps every block but the last a whole number of vectors
+  return std::min(std::clamp(block, kMinBlock, kMaxBlock), dim);
+}
+
+template <typename Body>
+void for_each_text_block(int64_t batch, int64_t seq_len, int64_t dim, const Body& body) {
+  const int64_t block = feature_block(batch, dim);
+  const int64_t blocks = (dim + block - 1) / block;
+  const int64_t grain = std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, seq_len * block));
+  at::parallel_for(0, batch * blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / blocks;
+      const int64_t d0 = (task % blocks) * block;
+      body(b, d0, std::min(block, dim - d0));
+    }
+  });
+}
+
+// Loads Vectorized<acc_t>::size() elements widened to the accumulation type.
+template <typename scalar_t>
+inline Vectorized<acc_t<scalar_t>> load_widened(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, acc_t<scalar_t>>) {
+    return Vectorized<scalar_t>::loadu(p);
+  } else {
+    Vectorized<float> v;
+    at::vec::load_to_float(p, v);
+    return v;
+  }
+}
+
+// A reducer folds rows of n features (element i at row[i * stride]) into its accumulator: init() takes the first
+// valid row, step() each later one, always in increasing l. The vector loop runs when the features are contiguous.
+template <typename scalar_t>
+struct SumReducer {
+  using acc = acc_t<scalar_t>;
+  using Vec = Vectorized<acc>;
+  acc* sum;
+
+  void init(const scalar_t* row, int64_t stride, int64_t n, int64_t /*l*/) {
+    for (int64_t i = 0; i < n; ++i) {
+      sum[i] = static_cast<acc>(row[i * stride]);
+    }
+  }
+
+  void step(const scalar_t* row, int64_t stride, int64_t n, int64_t /*l*/) {
+    int64_t i = 0;
+    if (stride == 1) {
+      for (; i + Vec::size() <= n; i += Vec::size()) {
+        (Vec::loadu(sum + i) + load_widened(row + i)).store(sum + i);
+      }
+    }
+    for (; i < n; ++i) {
+      sum[i] += static_cast<acc>(row[i * stride]);
+    }
+  }
+};
+
+// Keeps the largest value and its first position. A NaN counts as larger than anything, and the first NaN stays,
+// as with torch.max. Positions live in integer lanes as wide as the accumulator lanes (int32 beside float, int64
+// beside double), bit-cast into the same vector type so one blend moves values and positions together.
+template <typename scalar_t>
+struct MaxReducer {
+  using acc = acc_t<scalar_t>;
+  using Vec = Vectorized<acc>;
+  using index_t = at::vec::int_same_size_t<acc>;
+  acc* best;
+  index_t* where;
+
+  void init(const scalar_t* row, int64_t stride, int64_t n, int64_t l) {
+    for (int64_t i = 0; i < n; ++i) {
+      best[i] = static_cast<acc>(row[i * stride]);
+      where[i] = static_cast<index_t>(l);
+    }
+  }
+
+  void step(const scalar_t* row, int64_t stride, int64_t n, int64_t l) {
+    int64_t i = 0;
+    if (stride == 1) {
+      const Vec position = at::vec::cast<acc>(Vectorized<index_t>(static_cast<index_t>(l)));
+      for (; i + Vec::size() <= n; i += Vec::size()) {
+        const Vec x = load_widened(row + i);
+        const Vec m = Vec::loadu(best + i);
+        const Vec take = (x > m) | ((x != x) & (m == m));
+        Vec::blendv(m, x, take).store(best + i);
+        Vec::blendv(Vec::loadu(where + i), position, take).store(where + i);
+      }
+    }
+    for (; i < n; ++i) {
+      const acc x = static_cast<acc>(row[i * stride]);
+      if (x > best[i] || (std::isnan(x) && !std::isnan(best[i]))) {
+        best[i] = x;
+        where[i] = static_cast<index_t>(l);
+      }
+    }
+  }
+};
+
+// Folds the valid rows l (valid == nullptr: all rows) of one text's feature block into the reducer, skipping the
+// others without reading them. Returns how many rows were valid.
+template <typename scalar_t, typename Reducer>
+int64_t reduce_valid_rows(
+    const scalar_t* block,
+    int64_t stride_l,
+    int64_t stride_d,
+    int64_t seq_len,
+    int64_t n,
+    const bool* valid,
+    Reducer& reducer) {
+  int64_t count = 0;
+  for (int64_t l = 0; l < seq_len; ++l) {
+    if (valid != nullptr && !valid[l]) {
+      continue;
+    }
+    const scalar_t* row = block + l * stride_l;
+    if (count == 0) {
+      reducer.init(row, stride_d, n, l);
+    } else {
+      reducer.step(row, stride_d, n, l);
+    }
+    ++count;
+  }
+  return count;
+}
+
+// Shared driver of the forward kernels: runs a Reducer over every (text, feature block) task and hands the
+// reduced block to finish(b, d0, n, reducer, count).
+template <typename scalar_t, typename MakeReducer, typename Finish>
+void pool_forward(const at::Tensor& hidden, const at::Tensor& valid, const MakeReducer& make, const Finish& finish) {
+  const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
+  const int64_t sb = hidden.stride(0), sl = hidden.stride(1), sd = hidden.stride(2);
+  const scalar_t* h = hidden.const_data_ptr<scalar_t>();
+  const bool* v = valid.defined() ? valid.const_data_ptr<bool>() : nullptr;
+  for_each_text_block(batch, seq_len, dim, [&](int64_t b, int64_t d0, int64_t n) {
+    alignas(64) acc_t<scalar_t> acc[kMaxBlock];
+    alignas(64) at::vec::int_same_size_t<acc_t<scalar_t>> index[kMaxBlock];
+    auto reducer = make(acc, index);
+    const int64_t count =
+        reduce_valid_rows(h + b * sb + d0 * sd, sl, sd, seq_len, n, v ? v + b * seq_len : nullptr, reducer);
+    finish(b, d0, n, reducer, count);
+  });
+}
+
+template <typename scalar_t>
+void mean_forward_typed(const at::Tensor& hidden, const at::Tensor& valid, at::Tensor& out) {
+  using acc = acc_t<scalar_t>;
+  const int64_t dim = hidden.size(2);
+  scalar_t* o = out.data_ptr<scalar_t>();
+  pool_forward<scalar_t>(
+      hidden, valid, [](acc* sum, auto*) { return SumReducer<scalar_t>{sum}; },
+      [&](int64_t b, int64_t d0, int64_t n, const SumReducer<scalar_t>& r, int64_t count) {
+        scalar_t* dst = o + b * dim + d0;
+        for (int64_t i = 0; i < n; ++i) {
+          dst[i] = count == 0 ? scalar_t(0) : static_cast<scalar_t>(r.sum[i] / static_cast<acc>(count));
+        }
+      });
+}
+
+template <typename scalar_t>
+void max_forward_typed(const at::Tensor& hidden, const at::Tensor& valid, at::Tensor& out, at::Tensor& argmax) {
+  using acc = acc_t<scalar_t>;
+  const int64_t dim = hidden.size(2);
+  scalar_t* o = out.data_ptr<scalar_t>();
+  int32_t* a = argmax.data_ptr<int32_t>();
+  pool_forward<scalar_t>(
+      hidden, valid, [](acc* best, auto* where) { return MaxReducer<scalar_t>{best, where}; },
+      [&](int64_t b, int64_t d0, int64_t n, const MaxReducer<scalar_t>& r, int64_t count) {
+        scalar_t* dst = o + b * dim + d0;
+        int32_t* pos = a + b * dim + d0;
+        for (int64_t i = 0; i < n; ++i) {
+          // The kept value is one of the inputs, so narrowing it back is exact.
+          dst[i] = count == 0 ? scalar_t(0) : static_cast<scalar_t>(r.best[i]);
+          pos[i] = count == 0 ? -1 : static_cast<int32_t>(r.where[i]);
+        }
+      });
+}
+
+void mean_forward(const at::Tensor& hidden, const at::Tensor& valid, at::Tensor& out) {
+  LMK_DISPATCH_FLOATING(hidden.scalar_type(), "mean_pool", [&] { mean_forward_typed<scalar_t>(hidden, valid, out); });
+}
+
+void max_forward(const at::Tensor& hidden, const at::Tensor& valid, at::Tensor& out, at::Tensor& argmax) {
+  LMK_DISPATCH_FLOATING(
+      hidden.scalar_type(), "max_pool", [&] { max_forward_typed<scalar_t>(hidden, valid, out, argmax); });
+}
+
+// Backward of max: grad_hidden[b, l, d] = grad[b, d] where argmax[b, d] == l, else 0. Split over (b, l) rows, each
+// row written once, whole and in order. Only bits are moved (zero is all-zero bits in every float dtype), so the
+// select runs on unsigned words of the element's width, which the compiler vectorises for this capability.
+template <typename word_t>
+void max_backward_words(const at::Tensor& grad, const at::Tensor& argmax, at::Tensor& grad_hidden) {
+  const int64_t seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
+  const auto* g = static_cast<const word_t*>(grad.const_data_ptr());
+  const int32_t* a = argmax.const_data_ptr<int32_t>();
+  auto* out = static_cast<word_t*>(grad_hidden.data_ptr());
+  const int64_t grain = std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, dim));
+  at::parallel_for(0, grad_hidden.size(0) * seq_len, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / seq_len;
+      const auto l = static_cast<int32_t>(row % seq_len);
+      const word_t* gb = g + b * dim;
+      const int32_t* ab = a + b * dim;
+      word_t* dst = out + row * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        dst[d] = ab[d] == l ? gb[d] : word_t(0);
+      }
+    }
+  });
+}
+
+void max_backward(const at::Tensor& grad, const at::Tensor& argmax, at::Tensor& grad_hidden) {
+  switch (grad.element_size()) {
+    case 2:
+      return max_backward_words<uint16_t>(grad, argmax, grad_hidden);
+    case 4:
+      return max_backward_words<uint32_t>(grad, argmax, grad_hidden);
+    default:
+      return max_backward_words<uint64_t>(grad, argmax, grad_hidden);
+  }
+}
+
+}  // namespace
+
+const PoolKernels& kernels() {
+  static const PoolKernels k{&mean_forward, &max_forward, &max_backward};
+  return k;
+}
+
+}  // namespace lmk_ops::cpu::CPU_CAPABILITY

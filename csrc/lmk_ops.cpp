@@ -1,0 +1,40 @@
+// The lmk_ops operator library: every schema, forward and backward, is defined here once. Kernels register per
+// dispatch key in cpu/ (and cuda/); fake kernels and autograd are registered from Python (_meta.py, _autograd.py).
+// The pybind11 module carries build information only: the ops themselves are reached through torch.ops.lmk_ops.
+#include <ATen/Parallel.h>
+#include <pybind11/pybind11.h>
+#include <torch/library.h>
+
+#include "cpu/pool_kernels.h"
+
+TORCH_LIBRARY(lmk_ops, m) {
+  const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
+  m.def("mean_pool(Tensor hidden, Tensor? mask=None) -> Tensor", tags);
+  m.def("mean_pool_backward(Tensor grad_out, Tensor? mask, SymInt seq_len) -> Tensor", tags);
+  // Returns (values, argmax): argmax is int32 [B, D], the first position of each maximum, -1 for an empty row.
+  m.def("max_pool(Tensor hidden, Tensor? mask=None) -> (Tensor, Tensor)", tags);
+  m.def("max_pool_backward(Tensor grad_out, Tensor argmax, SymInt seq_len) -> Tensor", tags);
+}
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "lmk_ops compiled core: registers the lmk_ops operators with the PyTorch dispatcher.";
+  m.def(
+      "build_info",
+      [] {
+        py::dict info;
+        info["version"] = LMK_OPS_VERSION;
+        info["torch_version"] = LMK_OPS_TORCH_VERSION;
+        info["cuda"] = false;
+#ifdef _OPENMP
+        info["openmp"] = true;
+#else
+        info["openmp"] = false;
+#endif
+        info["num_threads"] = at::get_num_threads();
+        info["cpu_capability"] = lmk_ops::cpu::pool_kernels_capability();
+        return info;
+      },
+      "What this build of lmk_ops was compiled against and uses at run time.");
+}

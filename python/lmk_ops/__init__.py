@@ -1,0 +1,28 @@
+"""lmk_ops: fused, mask-aware pooling for embedding models (mean, max, landmark), on CPU and CUDA."""
+
+from __future__ import annotations
+
+import torch
+
+from ._loader import load_extension
+
+_C = load_extension()
+
+from . import _autograd, _meta  # noqa: E402,F401  (register fake kernels and autograd with the dispatcher)
+from . import reference  # noqa: E402,F401
+from .ops import max_pool, mean_pool  # noqa: E402
+
+__version__: str = _C.build_info()["version"]
+
+
+def build_info() -> dict:
+    """What this build was compiled against and uses at run time.
+
+    Keys: ``version``, ``torch_version`` (torch it was built against), ``cuda`` (CUDA kernels compiled in),
+    ``openmp`` (OpenMP linked), ``num_threads`` (threads the CPU kernels use, ``torch.get_num_threads()``),
+    ``cpu_capability`` (the vectorised kernel set in use: DEFAULT, AVX2 or AVX512).
+    """
+    return dict(_C.build_info())
+
+
+__all__ = ["__version__", "build_info", "max_pool", "mean_pool", "reference"]

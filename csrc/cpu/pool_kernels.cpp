@@ -65,8 +65,38 @@ inline Vectorized<acc_t<scalar_t>> load_widened(const scalar_t* p) {
   }
 }
 
-// A reducer folds rows of n features (element i at row[i * stride]) into its accumulator: init() takes the first
-// valid row, step() each later one, always in increasing l. The vector loop runs when the features are contiguous.
+// Keeps the larger value and its position, lane by lane: x wins when it is greater, or when it is NaN and the
+// kept value is not (so the first NaN stays, as with torch.max); ties keep the earlier position. AVX2 and AVX-512
+// get a mask-native version: one unordered compare does "greater or NaN", guarded by "kept value is not NaN".
+template <typename acc>
+inline void keep_max(Vectorized<acc>& best, Vectorized<acc>& where, const Vectorized<acc>& x, const Vectorized<acc>& pos) {
+  const Vectorized<acc> take = (x > best) | ((x != x) & (best == best));
+  best = Vectorized<acc>::blendv(best, x, take);
+  where = Vectorized<acc>::blendv(where, pos, take);
+}
+#if defined(CPU_CAPABILITY_AVX512)
+template <>
+inline void keep_max<float>(
+    Vectorized<float>& best, Vectorized<float>& where, const Vectorized<float>& x, const Vectorized<float>& pos) {
+  const __mmask16 take = _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(best, best, _CMP_ORD_Q), x, best, _CMP_NLE_UQ);
+  best = _mm512_mask_blend_ps(take, best, x);
+  where = _mm512_mask_blend_ps(take, where, pos);
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+template <>
+inline void keep_max<float>(
+    Vectorized<float>& best, Vectorized<float>& where, const Vectorized<float>& x, const Vectorized<float>& pos) {
+  const __m256 take = _mm256_and_ps(_mm256_cmp_ps(x, best, _CMP_NLE_UQ), _mm256_cmp_ps(best, best, _CMP_ORD_Q));
+  best = _mm256_blendv_ps(best, x, take);
+  where = _mm256_blendv_ps(where, pos, take);
+}
+#endif
+
+// A reducer folds groups of up to kRowGroup valid rows (in increasing l) into its accumulator of n features;
+// feature i of a row is at row[i * stride]. init() takes the first valid row alone. Folding a group per pass keeps
+// the accumulator in registers across the group's rows; the order of operations per element is still row by row.
+constexpr int kRowGroup = 4;
+
 template <typename scalar_t>
 struct SumReducer {
   using acc = acc_t<scalar_t>;
@@ -79,22 +109,28 @@ struct SumReducer {
     }
   }
 
-  void step(const scalar_t* row, int64_t stride, int64_t n, int64_t /*l*/) {
+  void step(const scalar_t* const* rows, const int64_t* /*ls*/, int k, int64_t stride, int64_t n) {
     int64_t i = 0;
     if (stride == 1) {
       for (; i + Vec::size() <= n; i += Vec::size()) {
-        (Vec::loadu(sum + i) + load_widened(row + i)).store(sum + i);
+        Vec s = Vec::loadu(sum + i);
+        for (int r = 0; r < k; ++r) {
+          s = s + load_widened(rows[r] + i);
+        }
+        s.store(sum + i);
       }
     }
     for (; i < n; ++i) {
-      sum[i] += static_cast<acc>(row[i * stride]);
+      for (int r = 0; r < k; ++r) {
+        sum[i] += static_cast<acc>(rows[r][i * stride]);
+      }
     }
   }
 };
 
-// Keeps the largest value and its first position. A NaN counts as larger than anything, and the first NaN stays,
-// as with torch.max. Positions live in integer lanes as wide as the accumulator lanes (int32 beside float, int64
-// beside double), bit-cast into the same vector type so one blend moves values and positions together.
+// Keeps the largest value and its first position (see keep_max). Positions live in integer lanes as wide as the
+// accumulator lanes (int32 beside float, int64 beside double), bit-cast into the same vector type so that one
+// blend moves them with the values.
 template <typename scalar_t>
 struct MaxReducer {
   using acc = acc_t<scalar_t>;
@@ -110,23 +146,30 @@ struct MaxReducer {
     }
   }
 
-  void step(const scalar_t* row, int64_t stride, int64_t n, int64_t l) {
+  void step(const scalar_t* const* rows, const int64_t* ls, int k, int64_t stride, int64_t n) {
     int64_t i = 0;
     if (stride == 1) {
-      const Vec position = at::vec::cast<acc>(Vectorized<index_t>(static_cast<index_t>(l)));
+      Vec positions[kRowGroup];
+      for (int r = 0; r < k; ++r) {
+        positions[r] = at::vec::cast<acc>(Vectorized<index_t>(static_cast<index_t>(ls[r])));
+      }
       for (; i + Vec::size() <= n; i += Vec::size()) {
-        const Vec x = load_widened(row + i);
-        const Vec m = Vec::loadu(best + i);
-        const Vec take = (x > m) | ((x != x) & (m == m));
-        Vec::blendv(m, x, take).store(best + i);
-        Vec::blendv(Vec::loadu(where + i), position, take).store(where + i);
+        Vec m = Vec::loadu(best + i);
+        Vec w = Vec::loadu(where + i);
+        for (int r = 0; r < k; ++r) {
+          keep_max(m, w, load_widened(rows[r] + i), positions[r]);
+        }
+        m.store(best + i);
+        w.store(where + i);
       }
     }
     for (; i < n; ++i) {
-      const acc x = static_cast<acc>(row[i * stride]);
-      if (x > best[i] || (std::isnan(x) && !std::isnan(best[i]))) {
-        best[i] = x;
-        where[i] = static_cast<index_t>(l);
+      for (int r = 0; r < k; ++r) {
+        const acc x = static_cast<acc>(rows[r][i * stride]);
+        if (x > best[i] || (std::isnan(x) && !std::isnan(best[i]))) {
+          best[i] = x;
+          where[i] = static_cast<index_t>(ls[r]);
+        }
       }
     }
   }
@@ -144,17 +187,26 @@ int64_t reduce_valid_rows(
     const bool* valid,
     Reducer& reducer) {
   int64_t count = 0;
+  const scalar_t* rows[kRowGroup];
+  int64_t ls[kRowGroup];
+  int k = 0;
   for (int64_t l = 0; l < seq_len; ++l) {
     if (valid != nullptr && !valid[l]) {
       continue;
     }
-    const scalar_t* row = block + l * stride_l;
-    if (count == 0) {
-      reducer.init(row, stride_d, n, l);
-    } else {
-      reducer.step(row, stride_d, n, l);
+    if (count++ == 0) {
+      reducer.init(block + l * stride_l, stride_d, n, l);
+      continue;
     }
-    ++count;
+    rows[k] = block + l * stride_l;
+    ls[k] = l;
+    if (++k == kRowGroup) {
+      reducer.step(rows, ls, k, stride_d, n);
+      k = 0;
+    }
+  }
+  if (k > 0) {
+    reducer.step(rows, ls, k, stride_d, n);
   }
   return count;
 }

@@ -1,0 +1,58 @@
+"""Comparison against lmk_ops.reference, with the project's rule for low precision: in float16/bfloat16 the error
+against a float32 oracle may be at most twice the error of the reference computed in that dtype."""
+
+from __future__ import annotations
+
+import torch
+
+import lmk_ops
+from lmk_ops import reference
+
+OPS = {
+    "mean_pool": (lmk_ops.mean_pool, reference.mean_pool),
+    "max_pool": (lmk_ops.max_pool, reference.max_pool),
+}
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def forward_and_grad(fn, hidden, mask, grad):
+    """Output and d(output . grad)/d(hidden) of fn."""
+    h = hidden.detach().requires_grad_()
+    out = fn(h, mask)
+    (g,) = torch.autograd.grad(out, h, grad)
+    return out.detach(), g
+
+
+def _max_err(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def assert_matches(name: str, actual: torch.Tensor, oracle: torch.Tensor, same_dtype_ref: torch.Tensor) -> None:
+    """actual: lmk_ops in dtype X; oracle: reference on inputs upcast to float32 (float64 for float64);
+    same_dtype_ref: reference computed in dtype X."""
+    assert actual.dtype == same_dtype_ref.dtype and actual.shape == same_dtype_ref.shape, name
+    assert not actual.isnan().any(), f"{name}: NaN in the output"
+    if actual.dtype in LOW_PRECISION:
+        ours, theirs = _max_err(actual, oracle), _max_err(same_dtype_ref, oracle)
+        # The slack only covers float32 summation order deciding a rounding tie.
+        slack = 2.0**-20 * max(1.0, oracle.abs().max().item() if oracle.numel() else 0.0)
+        assert ours <= 2 * theirs + slack, f"{name}: error {ours:.3g} > 2 x reference's {theirs:.3g} in {actual.dtype}"
+    else:
+        torch.testing.assert_close(actual, oracle.to(actual.dtype), msg=lambda m: f"{name}: {m}")
+
+
+def check_against_reference(op: str, hidden, mask, grad) -> None:
+    ours, ref = OPS[op]
+    out, g = forward_and_grad(ours, hidden, mask, grad)
+    wide = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    oracle_out, oracle_g = forward_and_grad(ref, hidden.to(wide), mask, grad.to(wide))
+    ref_out, ref_g = forward_and_grad(ref, hidden, mask, grad)
+    if op == "max_pool":
+        # Max is exact in every dtype: same values, same positions, same gradient, bit for bit.
+        assert torch.equal(out, ref_out), "max_pool: values differ from the reference"
+        assert torch.equal(g, ref_g), "max_pool: gradient differs from the reference"
+        assert torch.equal(lmk_ops.max_pool(hidden, mask, return_indices=True)[1],
+                           reference.max_pool(hidden, mask, return_indices=True)[1]), "max_pool: positions differ"
+        return
+    assert_matches(f"{op} forward", out, oracle_out, ref_out)
+    assert_matches(f"{op} grad", g, oracle_g, ref_g)

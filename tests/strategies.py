@@ -1,0 +1,66 @@
+"""Hypothesis strategies for pooling inputs: shapes, masks and memory layouts that users actually pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MASK_KINDS = ("none", "random", "all_true", "empty_rows", "right_pad", "left_pad")
+MASK_DTYPES = (torch.bool, torch.int64, torch.int32, torch.uint8)
+LAYOUTS = ("contiguous", "transposed", "sliced")
+
+
+@dataclass
+class PoolCase:
+    hidden: torch.Tensor
+    mask: torch.Tensor | None
+    grad: torch.Tensor  # upstream gradient for the pooled [B, D] output
+
+    def __repr__(self) -> str:
+        h = self.hidden
+        mask = "None" if self.mask is None else f"{self.mask.dtype} valid={self.mask.sum(1).tolist()}"
+        return f"PoolCase(shape={list(h.shape)}, dtype={h.dtype}, strides={h.stride()}, mask={mask})"
+
+
+def make_hidden(shape, dtype, layout, gen) -> torch.Tensor:
+    b, l, d = shape
+    if layout == "transposed":  # stored as [B, D, L]: features are not contiguous
+        return torch.randn(b, d, l, generator=gen, dtype=torch.float64).to(dtype).transpose(1, 2)
+    if layout == "sliced":  # every other feature of a wider tensor
+        return torch.randn(b, l, 2 * d, generator=gen, dtype=torch.float64).to(dtype)[:, :, ::2]
+    return torch.randn(b, l, d, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def make_mask(kind, mask_dtype, batch, seq_len, gen) -> torch.Tensor | None:
+    if kind == "none":
+        return None
+    lengths = torch.randint(0, seq_len + 1, (batch,), generator=gen)
+    positions = torch.arange(seq_len)
+    if kind == "random":
+        mask = torch.rand(batch, seq_len, generator=gen) < 0.6
+    elif kind == "all_true":
+        mask = torch.ones(batch, seq_len, dtype=torch.bool)
+    elif kind == "empty_rows":  # some texts have no valid token at all
+        mask = torch.rand(batch, seq_len, generator=gen) < 0.5
+        mask[torch.rand(batch, generator=gen) < 0.5] = False
+    elif kind == "right_pad":
+        mask = positions < lengths[:, None]
+    else:  # left_pad
+        mask = positions >= (seq_len - lengths)[:, None]
+    return mask.to(mask_dtype)
+
+
+@st.composite
+def pool_cases(draw, dtypes=DTYPES, max_seq=300, max_dim=300) -> PoolCase:
+    batch = draw(st.integers(1, 8))
+    seq_len = draw(st.integers(1, max_seq))
+    dim = draw(st.integers(1, max_dim))
+    dtype = draw(st.sampled_from(dtypes))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    hidden = make_hidden((batch, seq_len, dim), dtype, draw(st.sampled_from(LAYOUTS)), gen)
+    mask = make_mask(draw(st.sampled_from(MASK_KINDS)), draw(st.sampled_from(MASK_DTYPES)), batch, seq_len, gen)
+    grad = torch.randn(batch, dim, generator=gen, dtype=torch.float64).to(dtype)
+    return PoolCase(hidden, mask, grad)

@@ -1,0 +1,67 @@
+"""Bad inputs raise errors that name the op and say what was expected and what came, eagerly on CPU and through the
+fake kernels (the path torch.compile and meta tensors take)."""
+
+import pytest
+import torch
+
+import lmk_ops
+
+POOLS = {"mean_pool": lmk_ops.mean_pool, "max_pool": lmk_ops.max_pool}
+
+# (description, hidden, mask, message pattern after "lmk_ops.<op>: ")
+BAD_INPUTS = [
+    ("2-D hidden", lambda: torch.randn(4, 8), None, r"expected hidden of shape \[B, L, D\] \(3-D\), got a 2-D tensor of shape \[4, 8\]"),
+    ("4-D hidden", lambda: torch.randn(2, 3, 4, 5), None, r"expected hidden of shape \[B, L, D\] \(3-D\), got a 4-D"),
+    ("integer hidden", lambda: torch.ones(2, 3, 4, dtype=torch.long), None, r"expected hidden of dtype float16, bfloat16, float32 or float64, got Long"),
+    ("mask batch mismatch", lambda: torch.randn(2, 3, 4), torch.ones(3, 3, dtype=torch.bool), r"expected mask of shape \[B, L\] = \[2, 3\], got \[3, 3\]"),
+    ("mask length mismatch", lambda: torch.randn(2, 3, 4), torch.ones(2, 5, dtype=torch.bool), r"expected mask of shape \[B, L\] = \[2, 3\], got \[2, 5\]"),
+    ("3-D mask", lambda: torch.randn(2, 3, 4), torch.ones(2, 3, 1, dtype=torch.bool), r"expected mask of shape \[B, L\] = \[2, 3\], got \[2, 3, 1\]"),
+    ("float mask", lambda: torch.randn(2, 3, 4), torch.ones(2, 3), r"expected mask of dtype bool or an integer dtype holding 0/1, got Float"),
+]
+
+
+@pytest.mark.parametrize("op", POOLS)
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_bad_inputs(op, case, device):
+    _, make_hidden, mask, pattern = case
+    hidden = make_hidden().to(device)
+    mask = None if mask is None else mask.to(device)
+    with pytest.raises(RuntimeError, match=rf"^lmk_ops\.{op}: {pattern}"):
+        POOLS[op](hidden, mask)
+
+
+@pytest.mark.parametrize("op", POOLS)
+def test_mask_values_other_than_0_1(op):
+    mask = torch.tensor([[1, 1, 0], [1, 2, 0]])
+    with pytest.raises(RuntimeError, match=rf"^lmk_ops\.{op}: expected mask values 0 or 1, got 2 at \[1, 1\]"):
+        POOLS[op](torch.randn(2, 3, 4), mask)
+    with pytest.raises(RuntimeError, match=rf"^lmk_ops\.{op}: expected mask values 0 or 1, got -1 at \[0, 2\]"):
+        POOLS[op](torch.randn(2, 3, 4), torch.tensor([[1, 1, -1], [1, 0, 0]]))
+
+
+@pytest.mark.parametrize("op", POOLS)
+def test_tensors_on_different_devices(op):
+    with pytest.raises(RuntimeError, match=rf"^lmk_ops\.{op}: expected mask on the same device as hidden \(cpu\), got meta"):
+        POOLS[op](torch.randn(2, 3, 4), torch.ones(2, 3, dtype=torch.bool, device="meta"))
+
+
+@pytest.mark.parametrize("op", POOLS)
+def test_bad_inputs_under_compile(op):
+    compiled = torch.compile(POOLS[op], fullgraph=True)
+    with pytest.raises(Exception, match=rf"lmk_ops\.{op}: expected mask of shape \[B, L\] = \[2, 3\], got \[2, 4\]"):
+        compiled(torch.randn(2, 3, 4), torch.ones(2, 4, dtype=torch.bool))
+
+
+def test_backward_ops_check_their_inputs():
+    ops = torch.ops.lmk_ops
+    for device in ("cpu", "meta"):
+        grad = torch.randn(2, 4, device=device)
+        with pytest.raises(RuntimeError, match=r"^lmk_ops\.mean_pool_backward: expected grad_out of shape \[B, D\] \(2-D\), got shape \[2, 4, 1\]"):
+            ops.mean_pool_backward(grad[..., None], None, 3)
+        with pytest.raises(RuntimeError, match=r"^lmk_ops\.mean_pool_backward: expected mask of shape \[B, L\] = \[2, 3\], got \[2, 5\]"):
+            ops.mean_pool_backward(grad, torch.ones(2, 5, dtype=torch.bool, device=device), 3)
+        with pytest.raises(RuntimeError, match=r"^lmk_ops\.max_pool_backward: expected argmax of dtype int32 and shape \[2, 4\]"):
+            ops.max_pool_backward(grad, torch.zeros(2, 4, dtype=torch.long, device=device), 3)
+    with pytest.raises(RuntimeError, match=r"^lmk_ops\.max_pool_backward: expected argmax values in \[-1, seq_len\) = \[-1, 3\), got values in \[0, 7\]"):
+        ops.max_pool_backward(torch.randn(2, 4), torch.tensor([[0, 7, 1, 1], [0, 0, 0, 0]], dtype=torch.int32), 3)

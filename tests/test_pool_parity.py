@@ -1,0 +1,130 @@
+"""mean_pool and max_pool against lmk_ops.reference: forward and gradients, over random shapes, masks, dtypes and
+layouts, plus the edge cases their contracts name."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given
+
+import lmk_ops
+from parity import OPS, check_against_reference, forward_and_grad
+from strategies import pool_cases
+
+
+@pytest.mark.parametrize("op", OPS)
+@given(case=pool_cases())
+def test_matches_reference(op, case):
+    inputs = [t for t in (case.hidden, case.mask, case.grad) if t is not None]
+    before = [t.clone() for t in inputs]
+    check_against_reference(op, case.hidden, case.mask, case.grad)
+    for t, b in zip(inputs, before):
+        assert torch.equal(t, b), "an input tensor was modified"
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_text_without_valid_tokens_gives_zeros_and_zero_grad(op, dtype):
+    hidden = torch.randn(3, 5, 7).to(dtype)
+    mask = torch.tensor([[1, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
+    out, grad = forward_and_grad(OPS[op][0], hidden, mask, torch.ones(3, 7, dtype=dtype))
+    assert torch.equal(out[1], torch.zeros(7, dtype=dtype))
+    assert torch.equal(grad[1], torch.zeros(5, 7, dtype=dtype))
+    assert not out.isnan().any() and not grad.isnan().any()
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_integer_and_bool_masks_agree(op):
+    hidden = torch.randn(4, 33, 65)
+    mask = torch.rand(4, 33) < 0.5
+    fn = OPS[op][0]
+    for dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        assert torch.equal(fn(hidden, mask.to(dtype)), fn(hidden, mask))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_padding_side_and_batch_do_not_change_the_bits(op):
+    # A text pools to the same bits alone, right-padded or left-padded in a batch: no order depends on the batch.
+    fn = OPS[op][0]
+    text = torch.randn(1, 37, 1000, dtype=torch.bfloat16)
+    alone = fn(text, None)
+    right = torch.randn(5, 64, 1000, dtype=torch.bfloat16)
+    right[2, :37] = text[0]
+    right_mask = torch.zeros(5, 64, dtype=torch.long)
+    right_mask[:, :37] = 1
+    left = torch.randn(5, 64, 1000, dtype=torch.bfloat16)
+    left[3, -37:] = text[0]
+    left_mask = right_mask.flip(1)
+    assert torch.equal(fn(right, right_mask)[2], alone[0])
+    assert torch.equal(fn(left, left_mask)[3], alone[0])
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_repeated_calls_give_identical_bits(op):
+    hidden = torch.randn(8, 300, 257)
+    mask = torch.rand(8, 300) < 0.7
+    fn = OPS[op][0]
+    assert torch.equal(fn(hidden, mask), fn(hidden, mask))
+
+
+def test_max_pool_ties_nan_and_infinities():
+    hidden = torch.zeros(1, 5, 4)
+    hidden[0, :, 0] = torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0])  # tie: first position wins
+    hidden[0, :, 1] = torch.tensor([1.0, float("nan"), 9.0, float("nan"), 2.0])  # first NaN wins
+    hidden[0, :, 2] = float("-inf")  # every valid value -inf: still a valid position
+    hidden[0, :, 3] = torch.tensor([float("inf"), 0.0, float("inf"), 0.0, 0.0])
+    mask = torch.tensor([[0, 1, 1, 1, 1]])
+    values, where = lmk_ops.max_pool(hidden, mask, return_indices=True)
+    assert where.tolist() == [[1, 1, 1, 2]]
+    assert values[0, 0] == 3 and values[0, 1].isnan() and values[0, 2] == float("-inf") and values[0, 3] == float("inf")
+    h = hidden.clone().requires_grad_()
+    lmk_ops.max_pool(h, mask).backward(torch.ones(1, 4))
+    expected = torch.zeros(1, 5, 4)
+    expected[0, 1, 0] = expected[0, 1, 1] = expected[0, 1, 2] = expected[0, 2, 3] = 1
+    assert torch.equal(h.grad, expected)
+
+
+def test_mean_pool_propagates_nan_and_inf_of_valid_tokens_only():
+    hidden = torch.ones(1, 3, 2)
+    hidden[0, 0, 0] = float("nan")
+    hidden[0, 2, 1] = float("inf")
+    out = lmk_ops.mean_pool(hidden, torch.tensor([[0, 1, 1]]))
+    assert out[0, 0] == 1 and out[0, 1] == float("inf")
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shape", [(0, 5, 8), (3, 0, 8), (3, 5, 0), (0, 0, 0)])
+def test_empty_inputs_give_the_natural_result(op, shape):
+    b, l, d = shape
+    hidden = torch.randn(shape, requires_grad=True)
+    out = OPS[op][0](hidden, torch.ones(b, l, dtype=torch.bool))
+    assert out.shape == (b, d) and torch.equal(out, torch.zeros(b, d))
+    out.sum().backward()
+    assert torch.equal(hidden.grad, torch.zeros(shape))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("capability", ["default", "avx2"])
+def test_every_compiled_cpu_capability_matches_reference(op, capability):
+    """The vectorised kernels are compiled per CPU capability; run the lower ones too (ATen honours the variable)."""
+    if capability == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU has no AVX2")
+    script = f"""
+import torch, lmk_ops
+from parity import check_against_reference
+assert lmk_ops.build_info()["cpu_capability"] == "{capability.upper()}", lmk_ops.build_info()
+gen = torch.Generator().manual_seed(0)
+for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+    for b, l, d in ((3, 41, 300), (2, 7, 37), (1, 1, 1)):
+        hidden = torch.randn(b, l, d, generator=gen).to(dtype)
+        mask = torch.rand(b, l, generator=gen) < 0.6
+        check_against_reference("{op}", hidden, mask, torch.randn(b, d, generator=gen).to(dtype))
+        check_against_reference("{op}", hidden[:, :, ::2], mask, torch.randn(b, (d + 1) // 2, generator=gen).to(dtype))
+"""
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=os.path.dirname(__file__), capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -1,0 +1,198 @@
+"""The benchmark report: ``python -m lmk_ops.bench``.
+
+For each op x dtype x shape it times, in one process, lmk_ops, the eager reference (lmk_ops.reference, the code
+people write) and ``torch.compile`` of that reference, forward and forward+backward, and compares the forward
+with the read floor: ``hidden.sum()`` on the same tensor in the same run, which reads every byte once.
+Medians over repeated calls after warm-up; CUDA timings use CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+import lmk_ops
+from lmk_ops import reference
+
+OPS = {"mean_pool": (lmk_ops.mean_pool, reference.mean_pool), "max_pool": (lmk_ops.max_pool, reference.max_pool)}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+DEFAULT_SHAPES = "32x512x768,8x4096x1024"
+
+
+def make_inputs(shape, dtype, device, padding=0.0, seed=0):
+    """hidden [B, L, D] and an int64 attention mask whose last `padding` share of each row is padding."""
+    batch, seq_len, _ = shape
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    mask = torch.ones(batch, seq_len, dtype=torch.long)
+    mask[:, seq_len - int(seq_len * padding):] = 0
+    return hidden, mask.to(device)
+
+
+def implementations(op: str) -> dict:
+    """The three contenders for an op: lmk_ops, the eager reference, and torch.compile of the reference."""
+    ours, ref = OPS[op]
+    return {"lmk_ops": ours, "eager": ref, "compiled": torch.compile(ref, dynamic=False)}
+
+
+def forward_backward(fn, hidden, mask, grad):
+    return torch.autograd.grad(fn(hidden, mask), hidden, grad)
+
+
+def time_ms(fn, device: str, min_time=0.25, min_reps=5, max_reps=100, warmup=2) -> float:
+    """Median milliseconds of fn() over repeated calls (at least min_reps, about min_time seconds in all)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    spent = 0.0
+    while len(samples) < min_reps or (spent < min_time and len(samples) < max_reps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        spent += samples[-1] / 1e3
+    return statistics.median(samples)
+
+
+@dataclass
+class Row:
+    op: str
+    dtype: str
+    shape: str
+    mode: str  # "forward" or "forward+backward"
+    lmk_ops_ms: float
+    eager_ms: float
+    compiled_ms: float
+    floor_ms: float  # hidden.sum(), same tensor, same run
+    read_gb_per_s: float  # forward: bytes of hidden read per second by lmk_ops
+
+    @property
+    def vs_eager(self) -> float:
+        return self.eager_ms / self.lmk_ops_ms
+
+    @property
+    def vs_compiled(self) -> float:
+        return self.compiled_ms / self.lmk_ops_ms
+
+    @property
+    def x_floor(self) -> float:
+        return self.lmk_ops_ms / self.floor_ms
+
+
+def bench_case(op, dtype_name, shape, device, padding) -> list[Row]:
+    dtype = DTYPES[dtype_name]
+    hidden, mask = make_inputs(shape, dtype, device, padding)
+    impls = implementations(op)
+    floor = time_ms(lambda: hidden.sum(), device)
+    valid_bytes = hidden.element_size() * shape[2] * int(mask.sum())
+    shape_str = "x".join(map(str, shape))
+    rows = []
+    with torch.no_grad():
+        times = {name: time_ms(lambda f=f: f(hidden, mask), device) for name, f in impls.items()}
+    rows.append(Row(op, dtype_name, shape_str, "forward", times["lmk_ops"], times["eager"], times["compiled"], floor,
+                    valid_bytes / times["lmk_ops"] / 1e6))
+    h = hidden.clone().requires_grad_()
+    grad = torch.randn(shape[0], shape[2], device=device, dtype=dtype)
+    times = {name: time_ms(lambda f=f: forward_backward(f, h, mask, grad), device) for name, f in impls.items()}
+    rows.append(Row(op, dtype_name, shape_str, "forward+backward", times["lmk_ops"], times["eager"],
+                    times["compiled"], floor, float("nan")))
+    return rows
+
+
+HEADER = (f"{'op':<10} {'dtype':<9} {'shape':<13} {'mode':<16} {'lmk_ops':>9} {'eager':>9} {'compiled':>9} "
+          f"{'vs eager':>9} {'vs comp.':>9} {'GB/s':>7} {'x floor':>8}")
+
+
+def format_row(r: Row) -> str:
+    gbs = f"{r.read_gb_per_s:7.1f}" if r.mode == "forward" else f"{'':>7}"
+    floor = f"{r.x_floor:7.2f}x" if r.mode == "forward" else f"{'':>8}"
+    return (f"{r.op:<10} {r.dtype:<9} {r.shape:<13} {r.mode:<16} {r.lmk_ops_ms:8.3f}m {r.eager_ms:8.3f}m "
+            f"{r.compiled_ms:8.3f}m {r.vs_eager:8.1f}x {r.vs_compiled:8.2f}x {gbs} {floor}")
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    shapes = []
+    for item in text.split(","):
+        parts = item.lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise argparse.ArgumentTypeError(f"expected shapes like 32x512x768[,8x4096x1024], got {item!r}")
+        shapes.append(tuple(int(p) for p in parts))
+    return shapes
+
+
+def parse_list(choices):
+    def parse(text: str) -> list[str]:
+        items = text.split(",")
+        unknown = [i for i in items if i not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(choices)}")
+        return items
+
+    return parse
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lmk_ops.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", type=parse_list(DTYPES), default=["float32", "bfloat16"],
+                        help="comma-separated: float16,bfloat16,float32,float64 (default float32,bfloat16)")
+    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES),
+                        help=f"comma-separated BxLxD (default {DEFAULT_SHAPES})")
+    parser.add_argument("--ops", type=parse_list(OPS), default=list(OPS), help="comma-separated (default: all)")
+    parser.add_argument("--padding", type=float, default=0.0,
+                        help="share of each sequence that is padding, masked out (default 0: every token valid)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results and the machine's details here")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available to torch")
+    if not 0.0 <= args.padding < 1.0:
+        parser.error(f"--padding: expected a share in [0, 1), got {args.padding}")
+
+    info = lmk_ops.build_info()
+    machine = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or platform.machine()}"
+    print(f"lmk_ops {info['version']} | torch {torch.__version__} | {args.device}: {machine} | "
+          f"{torch.get_num_threads()} threads | CPU kernels {info['cpu_capability']} | padding {args.padding:.0%}")
+    print("times are medians in ms; 'x floor' = lmk_ops forward time / hidden.sum() time on the same tensor\n")
+    print(HEADER, flush=True)
+    rows = []
+    cases = [(op, dt, shape) for op in args.ops for dt in args.dtype for shape in args.shapes]
+    started = time.perf_counter()
+    for i, (op, dt, shape) in enumerate(cases, 1):
+        print(f"  [{i}/{len(cases)}] {op} {dt} {shape} ...", end="\r", file=sys.stderr, flush=True)
+        for row in bench_case(op, dt, shape, args.device, args.padding):
+            rows.append(row)
+            print(format_row(row), flush=True)
+        torch._dynamo.reset()  # keep compiled graphs of finished cases from piling up
+    print(f"\n{len(cases)} cases in {time.perf_counter() - started:.0f} s")
+
+    if args.json:
+        report = {
+            "command": " ".join([sys.executable, "-m", "lmk_ops.bench", *(argv if argv is not None else sys.argv[1:])]),
+            "device": args.device, "machine": machine, "platform": platform.platform(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "build_info": info,
+            "padding": args.padding,
+            "rows": [asdict(r) | {"vs_eager": r.vs_eager, "vs_compiled": r.vs_compiled, "x_floor": r.x_floor}
+                     for r in rows],
+        }
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

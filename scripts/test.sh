@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Fresh machine to green suite: sets everything up, then runs the tests and a smoke run of the benchmark suites.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/python -m pytest -q tests bench --benchmark-disable "$@"

@@ -61,7 +61,7 @@ def test_backward_ops_check_their_inputs():
             ops.mean_pool_backward(grad[..., None], None, 3)
         with pytest.raises(RuntimeError, match=r"^lmk_ops\.mean_pool_backward: expected mask of shape \[B, L\] = \[2, 3\], got \[2, 5\]"):
             ops.mean_pool_backward(grad, torch.ones(2, 5, dtype=torch.bool, device=device), 3)
-        with pytest.raises(RuntimeError, match=r"^lmk_ops\.max_pool_backward: expected argmax of dtype int32 and shape \[2, 4\]"):
+        with pytest.raises(RuntimeError, match=r"^lmk_ops\.max_pool_backward: expected argmax of dtype int32 and shape \[2, 4\] \(as max_pool returns\), got Long of shape \[2, 4\]"):
             ops.max_pool_backward(grad, torch.zeros(2, 4, dtype=torch.long, device=device), 3)
     with pytest.raises(RuntimeError, match=r"^lmk_ops\.max_pool_backward: expected argmax values in \[-1, seq_len\) = \[-1, 3\), got values in \[0, 7\]"):
         ops.max_pool_backward(torch.randn(2, 4), torch.tensor([[0, 7, 1, 1], [0, 0, 0, 0]], dtype=torch.int32), 3)

@@ -10,7 +10,7 @@ namespace lmk_ops {
 // hidden: a [B, L, D] tensor of float16, bfloat16, float32 or float64 (any strides).
 void check_hidden(const char* op, const at::Tensor& hidden);
 
-// grad: a [B, D] floating tensor on `device` (the gradient of a pooled output).
+// grad: a [B, D] floating tensor (the gradient of a pooled output).
 void check_pooled_grad(const char* op, const at::Tensor& grad);
 
 // Validates an attention mask against [batch, seq_len] and like's device. Accepts bool or integer tensors whose

@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "common/dispatch.h"
 #include "cpu/pool_kernels.h"

@@ -9,15 +9,16 @@ from __future__ import annotations
 import torch
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_DTYPE_NAMES = {torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float", torch.float64: "Double"}
+# c10 prints ScalarType names ("Float", "Long", ...); the messages here match them.
+_DTYPE_NAMES = {
+    torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float", torch.float64: "Double",
+    torch.bool: "Bool", torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int",
+    torch.int64: "Long", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+}
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    # c10 prints ScalarType names ("Float", "Long", ...); match them.
-    names = {torch.bool: "Bool", torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short",
-             torch.int32: "Int", torch.int64: "Long", torch.complex64: "ComplexFloat",
-             torch.complex128: "ComplexDouble", **_DTYPE_NAMES}
-    return names.get(dtype, str(dtype).removeprefix("torch."))
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -32,14 +33,14 @@ def check_hidden(op: str, hidden: torch.Tensor) -> None:
     if hidden.dim() != 3:
         fail(op, f"expected hidden of shape [B, L, D] (3-D), got a {hidden.dim()}-D tensor of shape {_shape(hidden)}")
     if hidden.dtype not in _FLOATS:
-        fail(op, f"expected hidden of dtype float16, bfloat16, float32 or float64, got {_dtype_name(hidden.dtype)}")
+        fail(op, f"expected hidden of dtype float16, bfloat16, float32 or float64, got {dtype_name(hidden.dtype)}")
 
 
 def check_pooled_grad(op: str, grad: torch.Tensor) -> None:
     if grad.dim() != 2:
         fail(op, f"expected grad_out of shape [B, D] (2-D), got shape {_shape(grad)}")
     if grad.dtype not in _FLOATS:
-        fail(op, f"expected grad_out of dtype float16, bfloat16, float32 or float64, got {_dtype_name(grad.dtype)}")
+        fail(op, f"expected grad_out of dtype float16, bfloat16, float32 or float64, got {dtype_name(grad.dtype)}")
 
 
 def check_mask(op: str, mask: torch.Tensor | None, batch, seq_len, like: torch.Tensor) -> None:
@@ -50,4 +51,4 @@ def check_mask(op: str, mask: torch.Tensor | None, batch, seq_len, like: torch.T
     if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] != seq_len:
         fail(op, f"expected mask of shape [B, L] = [{batch}, {seq_len}], got {_shape(mask)}")
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
-        fail(op, f"expected mask of dtype bool or an integer dtype holding 0/1, got {_dtype_name(mask.dtype)}")
+        fail(op, f"expected mask of dtype bool or an integer dtype holding 0/1, got {dtype_name(mask.dtype)}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_hidden, check_mask, check_pooled_grad, fail
+from ._checks import check_hidden, check_mask, check_pooled_grad, dtype_name, fail
 
 
 @torch.library.register_fake("lmk_ops::mean_pool")
@@ -34,5 +34,5 @@ def _max_pool_backward_fake(grad_out, argmax, seq_len):
     check_pooled_grad("max_pool_backward", grad_out)
     if argmax.dtype != torch.int32 or argmax.shape != grad_out.shape:
         fail("max_pool_backward", f"expected argmax of dtype int32 and shape {list(grad_out.shape)} "
-             f"(as max_pool returns), got {argmax.dtype} of shape {list(argmax.shape)}")
+             f"(as max_pool returns), got {dtype_name(argmax.dtype)} of shape {list(argmax.shape)}")
     return grad_out.new_empty((grad_out.shape[0], seq_len, grad_out.shape[1]))

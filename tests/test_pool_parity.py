@@ -69,6 +69,21 @@ def test_repeated_calls_give_identical_bits(op):
     assert torch.equal(fn(hidden, mask), fn(hidden, mask))
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_thread_count_does_not_change_the_bits(op):
+    # The work split (text x feature block) depends on the thread count; the per-element order must not.
+    hidden = torch.randn(3, 500, 1500, dtype=torch.bfloat16)
+    mask = torch.rand(3, 500) < 0.8
+    fn = OPS[op][0]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = fn(hidden, mask)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(fn(hidden, mask), single)
+
+
 def test_max_pool_ties_nan_and_infinities():
     hidden = torch.zeros(1, 5, 4)
     hidden[0, :, 0] = torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0])  # tie: first position wins

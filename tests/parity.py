@@ -7,11 +7,8 @@ import torch
 
 import lmk_ops
 from lmk_ops import reference
+from lmk_ops.bench import OPS  # op name -> (lmk_ops function, reference function)
 
-OPS = {
-    "mean_pool": (lmk_ops.mean_pool, reference.mean_pool),
-    "max_pool": (lmk_ops.max_pool, reference.max_pool),
-}
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 

@@ -78,7 +78,7 @@ class Row:
     eager_ms: float
     compiled_ms: float
     floor_ms: float  # hidden.sum(), same tensor, same run
-    read_gb_per_s: float  # forward: bytes of hidden read per second by lmk_ops
+    read_gb_per_s: float | None  # forward only: GB of hidden read per second by lmk_ops
 
     @property
     def vs_eager(self) -> float:
@@ -112,7 +112,7 @@ def bench_case(op, dtype_name, shape, device, padding) -> list[Row]:
     grad = torch.randn(shape[0], shape[2], device=device, dtype=dtype)
     times = {name: time_ms(lambda f=f: forward_backward(f, h, mask, grad), device) for name, f in impls.items()}
     rows.append(Row(op, dtype_name, shape_str, "forward+backward", times["lmk_ops"], times["eager"],
-                    times["compiled"], floor, float("nan")))
+                    times["compiled"], floor, None))
     return rows
 
 
@@ -121,7 +121,7 @@ HEADER = (f"{'op':<10} {'dtype':<9} {'shape':<13} {'mode':<16} {'lmk_ops':>9} {'
 
 
 def format_row(r: Row) -> str:
-    gbs = f"{r.read_gb_per_s:7.1f}" if r.mode == "forward" else f"{'':>7}"
+    gbs = f"{r.read_gb_per_s:7.1f}" if r.read_gb_per_s is not None else f"{'':>7}"
     floor = f"{r.x_floor:7.2f}x" if r.mode == "forward" else f"{'':>8}"
     return (f"{r.op:<10} {r.dtype:<9} {r.shape:<13} {r.mode:<16} {r.lmk_ops_ms:8.3f}m {r.eager_ms:8.3f}m "
             f"{r.compiled_ms:8.3f}m {r.vs_eager:8.1f}x {r.vs_compiled:8.2f}x {gbs} {floor}")
@@ -199,8 +199,8 @@ def main(argv=None) -> int:
             "device": args.device, "machine": machine, "platform": platform.platform(),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "build_info": info,
             "padding": args.padding,
-            "rows": [asdict(r) | {"vs_eager": r.vs_eager, "vs_compiled": r.vs_compiled, "x_floor": r.x_floor}
-                     for r in rows],
+            "rows": [asdict(r) | {"vs_eager": r.vs_eager, "vs_compiled": r.vs_compiled}
+                     | ({"x_floor": r.x_floor} if r.mode == "forward" else {}) for r in rows],
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -31,9 +31,9 @@ void check_hidden(const char* op, const at::Tensor& hidden) {
       ": expected hidden of dtype float16, bfloat16, float32 or float64, got ", hidden.scalar_type());
 }
 
-void check_pooled_grad(const char* op, const at::Tensor& grad) {
+void check_grad(const char* op, const at::Tensor& grad, int64_t dims, const char* shape) {
   TORCH_CHECK(
-      grad.dim() == 2, "lmk_ops.", op, ": expected grad_out of shape [B, D] (2-D), got shape ",
+      grad.dim() == dims, "lmk_ops.", op, ": expected grad_out of shape ", shape, " (", dims, "-D), got shape ",
       shape_str(grad.sizes()));
   TORCH_CHECK(
       is_supported_float(grad.scalar_type()), "lmk_ops.", op,
@@ -74,6 +74,58 @@ at::Tensor prepare_mask(
         "]");
   }
   return m.to(at::kBool).contiguous();
+}
+
+at::Tensor prepare_positions(
+    const char* op,
+    const at::Tensor& positions,
+    int64_t batch,
+    int64_t seq_len,
+    const at::Tensor& like) {
+  TORCH_CHECK(
+      positions.device() == like.device(), "lmk_ops.", op, ": expected landmarks on the same device as hidden (",
+      like.device(), "), got ", positions.device());
+  TORCH_CHECK(
+      positions.scalar_type() == at::kLong, "lmk_ops.", op,
+      ": expected landmark positions of dtype int64 (padded with -1), got ", positions.scalar_type());
+  TORCH_CHECK(
+      positions.dim() == 2 && positions.size(0) == batch, "lmk_ops.", op,
+      ": expected landmark positions of shape [B, K] = [", batch, ", K], got ", shape_str(positions.sizes()));
+  at::Tensor p = positions.contiguous();
+  // A plain loop over the B*K entries: it finds the first bad one for the message, and costs far less than the
+  // pooling it guards (an out-of-range position would otherwise be a read outside hidden).
+  const int64_t* data = p.const_data_ptr<int64_t>();
+  const int64_t listed = p.size(1);
+  for (int64_t i = 0; i < p.numel(); ++i) {
+    TORCH_CHECK(
+        data[i] >= -1 && data[i] < seq_len, "lmk_ops.", op, ": expected landmark positions in [0, L) = [0, ",
+        seq_len, ") or -1 for none, got ", data[i], " in row ", i / listed, " (landmarks[", i / listed, ", ",
+        i % listed, "])");
+  }
+  return p;
+}
+
+RowSelection prepare_landmarks(
+    const char* op,
+    const at::Tensor& landmarks,
+    int64_t batch,
+    int64_t seq_len,
+    const at::Tensor& like) {
+  TORCH_CHECK(
+      landmarks.scalar_type() == at::kBool || landmarks.scalar_type() == at::kLong, "lmk_ops.", op,
+      ": expected landmarks as a bool mask [B, L] or int64 positions [B, K] padded with -1, got ",
+      landmarks.scalar_type());
+  if (landmarks.scalar_type() == at::kLong) {
+    return {at::Tensor(), prepare_positions(op, landmarks, batch, seq_len, like)};
+  }
+  TORCH_CHECK(
+      landmarks.device() == like.device(), "lmk_ops.", op, ": expected landmarks on the same device as hidden (",
+      like.device(), "), got ", landmarks.device());
+  TORCH_CHECK(
+      landmarks.dim() == 2 && landmarks.size(0) == batch && landmarks.size(1) == seq_len, "lmk_ops.", op,
+      ": expected a landmark mask of shape [B, L] = [", batch, ", ", seq_len, "], got ",
+      shape_str(landmarks.sizes()));
+  return {landmarks.contiguous(), at::Tensor()};
 }
 
 }  // namespace lmk_ops

@@ -5,13 +5,20 @@
 
 #include <optional>
 
+#include "common/row_selection.h"
+
 namespace lmk_ops {
 
 // hidden: a [B, L, D] tensor of float16, bfloat16, float32 or float64 (any strides).
 void check_hidden(const char* op, const at::Tensor& hidden);
 
+// grad: a floating tensor of the given number of dimensions, named by shape ("[B, D]") in messages.
+void check_grad(const char* op, const at::Tensor& grad, int64_t dims, const char* shape);
+
 // grad: a [B, D] floating tensor (the gradient of a pooled output).
-void check_pooled_grad(const char* op, const at::Tensor& grad);
+inline void check_pooled_grad(const char* op, const at::Tensor& grad) {
+  check_grad(op, grad, 2, "[B, D]");
+}
 
 // Validates an attention mask against [batch, seq_len] and like's device. Accepts bool or integer tensors whose
 // values are 0 or 1 (a Hugging Face attention_mask). Returns it as a contiguous bool tensor, or an undefined tensor
@@ -19,6 +26,23 @@ void check_pooled_grad(const char* op, const at::Tensor& grad);
 at::Tensor prepare_mask(
     const char* op,
     const std::optional<at::Tensor>& mask,
+    int64_t batch,
+    int64_t seq_len,
+    const at::Tensor& like);
+
+// Validates landmarks against [batch, seq_len] and like's device: a bool mask [B, L], or int64 positions [B, K]
+// holding -1 (no landmark) or a position in [0, seq_len). Returns the one that was given, contiguous.
+RowSelection prepare_landmarks(
+    const char* op,
+    const at::Tensor& landmarks,
+    int64_t batch,
+    int64_t seq_len,
+    const at::Tensor& like);
+
+// Validates int64 positions [batch, K] holding -1 or a position in [0, seq_len); returns them contiguous.
+at::Tensor prepare_positions(
+    const char* op,
+    const at::Tensor& positions,
     int64_t batch,
     int64_t seq_len,
     const at::Tensor& like);

@@ -1,89 +1,61 @@
-// CPU implementations of the pooling ops: check inputs, allocate outputs, hand off to the vectorised kernels.
+// CPU implementations of mean_pool and max_pool: check inputs, allocate outputs, hand off to the vectorised kernels.
 #include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#include <cstring>
 #include <limits>
 #include <tuple>
 
 #include "common/checks.h"
 #include "cpu/pool_kernels.h"
+#include "cpu/pooling.h"
 
 namespace lmk_ops::cpu {
 namespace {
 
-bool is_empty_pool(const at::Tensor& hidden) {
-  return hidden.size(0) == 0 || hidden.size(1) == 0 || hidden.size(2) == 0;
-}
-
-at::Tensor mean_pool(const at::Tensor& hidden, const std::optional<at::Tensor>& mask) {
+std::tuple<at::Tensor, at::Tensor> mean_pool(
+    const at::Tensor& hidden, const std::optional<at::Tensor>& mask, bool normalize) {
   constexpr const char* op = "mean_pool";
   check_hidden(op, hidden);
-  const at::Tensor valid = prepare_mask(op, mask, hidden.size(0), hidden.size(1), hidden);
-  if (is_empty_pool(hidden)) {
-    return at::zeros({hidden.size(0), hidden.size(2)}, hidden.options());
-  }
-  at::Tensor out = at::empty({hidden.size(0), hidden.size(2)}, hidden.options());
-  pool_kernels().mean_forward(hidden, valid, out);
-  return out;
+  const RowSelection rows{prepare_mask(op, mask, hidden.size(0), hidden.size(1), hidden), at::Tensor()};
+  return mean_of_rows(hidden, rows, normalize);
 }
 
-// Backward of mean: every valid row of text b gets grad[b] / count[b], every other row zero. The scaled [B, D]
-// rows are computed once in the accumulation type; the [B, L, D] gradient is then written once, row by row,
-// with memcpy / memset (split over (b, l) rows).
 at::Tensor mean_pool_backward(const at::Tensor& grad, const std::optional<at::Tensor>& mask, int64_t seq_len) {
   constexpr const char* op = "mean_pool_backward";
   check_pooled_grad(op, grad);
   TORCH_CHECK(seq_len >= 0, "lmk_ops.", op, ": expected seq_len >= 0, got ", seq_len);
-  const int64_t batch = grad.size(0), dim = grad.size(1);
-  const at::Tensor valid = prepare_mask(op, mask, batch, seq_len, grad);
-  at::Tensor grad_hidden = at::empty({batch, seq_len, dim}, grad.options());
-  if (grad_hidden.numel() == 0) {
-    return grad_hidden;
-  }
-  const at::Tensor counts = valid.defined() ? valid.sum(1, /*keepdim=*/true)
-                                            : at::full({batch, 1}, seq_len, grad.options().dtype(at::kLong));
-  const at::Tensor rows =
-      grad.to(at::toOpMathType(grad.scalar_type())).div(counts.clamp_min(1)).to(grad.scalar_type()).contiguous();
-
-  const size_t row_bytes = static_cast<size_t>(dim) * grad.element_size();
-  const auto* src = static_cast<const char*>(rows.const_data_ptr());
-  const bool* v = valid.defined() ? valid.const_data_ptr<bool>() : nullptr;
-  auto* dst = static_cast<char*>(grad_hidden.data_ptr());
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / dim);
-  at::parallel_for(0, batch * seq_len, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      char* out_row = dst + row * row_bytes;
-      if (v == nullptr || v[row]) {
-        std::memcpy(out_row, src + (row / seq_len) * row_bytes, row_bytes);
-      } else {
-        std::memset(out_row, 0, row_bytes);
-      }
-    }
-  });
-  return grad_hidden;
+  const RowSelection rows{prepare_mask(op, mask, grad.size(0), seq_len, grad), at::Tensor()};
+  return mean_of_rows_backward(grad, rows, seq_len);
 }
 
-std::tuple<at::Tensor, at::Tensor> max_pool(const at::Tensor& hidden, const std::optional<at::Tensor>& mask) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> max_pool(
+    const at::Tensor& hidden, const std::optional<at::Tensor>& mask, bool normalize) {
   constexpr const char* op = "max_pool";
   check_hidden(op, hidden);
   TORCH_CHECK(
       hidden.size(1) <= std::numeric_limits<int32_t>::max(), "lmk_ops.", op,
       ": expected at most 2^31 - 1 tokens per text (positions are saved as int32), got L = ", hidden.size(1));
-  const at::Tensor valid = prepare_mask(op, mask, hidden.size(0), hidden.size(1), hidden);
+  const RowSelection rows{prepare_mask(op, mask, hidden.size(0), hidden.size(1), hidden), at::Tensor()};
   const int64_t batch = hidden.size(0), dim = hidden.size(2);
+  at::Tensor out, argmax;
   if (is_empty_pool(hidden)) {
-    return {at::zeros({batch, dim}, hidden.options()), at::full({batch, dim}, -1, hidden.options().dtype(at::kInt))};
+    out = at::zeros({batch, dim}, hidden.options());
+    argmax = at::full({batch, dim}, -1, hidden.options().dtype(at::kInt));
+  } else {
+    out = at::empty({batch, dim}, hidden.options());
+    argmax = at::empty({batch, dim}, hidden.options().dtype(at::kInt));
+    pool_kernels().max_forward(hidden, rows, out, argmax);
   }
-  at::Tensor out = at::empty({batch, dim}, hidden.options());
-  at::Tensor argmax = at::empty({batch, dim}, hidden.options().dtype(at::kInt));
-  pool_kernels().max_forward(hidden, valid, out, argmax);
-  return {out, argmax};
+  if (normalize) {
+    // The maxima are input values, exact in hidden's dtype: normalising them afterwards loses nothing.
+    auto [normalized, norm] = normalize_pooled(out, hidden.scalar_type());
+    return {normalized, argmax, norm};
+  }
+  return {out, argmax, at::empty({0}, hidden.options().dtype(at::toOpMathType(hidden.scalar_type())))};
 }
 
 at::Tensor max_pool_backward(const at::Tensor& grad, const at::Tensor& argmax, int64_t seq_len) {

@@ -20,8 +20,8 @@ template <typename scalar_t>
 using acc_t = at::opmath_type<scalar_t>;  // float for half/bfloat16/float, double for double
 
 // Work split for the forward kernels: tasks are (text b, block of features [d0, d0 + n)). Each task walks its
-// text's valid rows in increasing l and reduces the block into an accumulator on its stack, so every element's
-// result depends only on that text's data, in a fixed order: a text pools to the same bits alone or in a batch,
+// text's selected rows (increasing l, or the listed order) and reduces the block into an accumulator on its
+// stack, so every element's result depends only on that text's data, in a fixed order: a text pools to the same bits alone or in a batch,
 // whatever the thread count. Blocks are whole rows when there are enough texts to occupy every thread, and are
 // split (down to kMinBlock, which keeps each row read a long contiguous run for the prefetcher) when B is small.
 constexpr int64_t kMaxBlock = 1024;
@@ -39,10 +39,10 @@ int64_t feature_block(int64_t batch, int64_t dim) {
 }
 
 template <typename Body>
-void for_each_text_block(int64_t batch, int64_t seq_len, int64_t dim, const Body& body) {
+void for_each_text_block(int64_t batch, int64_t rows_per_text, int64_t dim, const Body& body) {
   const int64_t block = feature_block(batch, dim);
   const int64_t blocks = (dim + block - 1) / block;
-  const int64_t grain = std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, seq_len * block));
+  const int64_t grain = std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, rows_per_text * block));
   at::parallel_for(0, batch * blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / blocks;
@@ -174,28 +174,56 @@ struct MaxReducer {
   }
 };
 
-// Folds the valid rows l (valid == nullptr: all rows) of one text's feature block into the reducer, skipping the
-// others without reading them. Returns how many rows were valid.
-template <typename scalar_t, typename Reducer>
-int64_t reduce_valid_rows(
-    const scalar_t* block,
-    int64_t stride_l,
-    int64_t stride_d,
-    int64_t seq_len,
-    int64_t n,
-    const bool* valid,
-    Reducer& reducer) {
+// The row selections of RowSelection, one text at a time: each(f) calls f(l) for the text's selected rows in order.
+struct AllRows {
+  int64_t seq_len;
+  template <typename F>
+  void each(const F& f) const {
+    for (int64_t l = 0; l < seq_len; ++l) {
+      f(l);
+    }
+  }
+};
+
+struct MaskedRows {
+  const bool* valid;
+  int64_t seq_len;
+  template <typename F>
+  void each(const F& f) const {
+    for (int64_t l = 0; l < seq_len; ++l) {
+      if (valid[l]) {
+        f(l);
+      }
+    }
+  }
+};
+
+struct ListedRows {
+  const int64_t* positions;
+  int64_t count;
+  template <typename F>
+  void each(const F& f) const {
+    for (int64_t k = 0; k < count; ++k) {
+      if (positions[k] >= 0) {
+        f(positions[k]);
+      }
+    }
+  }
+};
+
+// Folds the selected rows of one text's feature block into the reducer, in the selection's order, without
+// reading the other rows. Returns how many rows were folded.
+template <typename scalar_t, typename Rows, typename Reducer>
+int64_t reduce_rows(const scalar_t* block, int64_t stride_l, int64_t stride_d, int64_t n, const Rows& selected,
+                    Reducer& reducer) {
   int64_t count = 0;
   const scalar_t* rows[kRowGroup];
   int64_t ls[kRowGroup];
   int k = 0;
-  for (int64_t l = 0; l < seq_len; ++l) {
-    if (valid != nullptr && !valid[l]) {
-      continue;
-    }
+  selected.each([&](int64_t l) {
     if (count++ == 0) {
       reducer.init(block + l * stride_l, stride_d, n, l);
-      continue;
+      return;
     }
     rows[k] = block + l * stride_l;
     ls[k] = l;
@@ -203,7 +231,7 @@ int64_t reduce_valid_rows(
       reducer.step(rows, ls, k, stride_d, n);
       k = 0;
     }
-  }
+  });
   if (k > 0) {
     reducer.step(rows, ls, k, stride_d, n);
   }
@@ -213,44 +241,55 @@ int64_t reduce_valid_rows(
 // Shared driver of the forward kernels: runs a Reducer over every (text, feature block) task and hands the
 // reduced block to finish(b, d0, n, reducer, count).
 template <typename scalar_t, typename MakeReducer, typename Finish>
-void pool_forward(const at::Tensor& hidden, const at::Tensor& valid, const MakeReducer& make, const Finish& finish) {
+void pool_forward(const at::Tensor& hidden, const RowSelection& selection, const MakeReducer& make,
+                  const Finish& finish) {
   const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
   const int64_t sb = hidden.stride(0), sl = hidden.stride(1), sd = hidden.stride(2);
   const scalar_t* h = hidden.const_data_ptr<scalar_t>();
-  const bool* v = valid.defined() ? valid.const_data_ptr<bool>() : nullptr;
-  for_each_text_block(batch, seq_len, dim, [&](int64_t b, int64_t d0, int64_t n) {
-    alignas(64) acc_t<scalar_t> acc[kMaxBlock];
-    alignas(64) at::vec::int_same_size_t<acc_t<scalar_t>> index[kMaxBlock];
-    auto reducer = make(acc, index);
-    const int64_t count =
-        reduce_valid_rows(h + b * sb + d0 * sd, sl, sd, seq_len, n, v ? v + b * seq_len : nullptr, reducer);
-    finish(b, d0, n, reducer, count);
-  });
+  const auto run = [&](int64_t rows_per_text, const auto& rows_of) {
+    for_each_text_block(batch, rows_per_text, dim, [&](int64_t b, int64_t d0, int64_t n) {
+      alignas(64) acc_t<scalar_t> acc[kMaxBlock];
+      alignas(64) at::vec::int_same_size_t<acc_t<scalar_t>> index[kMaxBlock];
+      auto reducer = make(acc, index);
+      const int64_t count = reduce_rows(h + b * sb + d0 * sd, sl, sd, n, rows_of(b), reducer);
+      finish(b, d0, n, reducer, count);
+    });
+  };
+  if (selection.positions.defined()) {
+    const int64_t listed = selection.positions.size(1);
+    const int64_t* p = selection.positions.const_data_ptr<int64_t>();
+    run(listed, [&](int64_t b) { return ListedRows{p + b * listed, listed}; });
+  } else if (selection.mask.defined()) {
+    const bool* v = selection.mask.const_data_ptr<bool>();
+    run(seq_len, [&](int64_t b) { return MaskedRows{v + b * seq_len, seq_len}; });
+  } else {
+    run(seq_len, [&](int64_t) { return AllRows{seq_len}; });
+  }
 }
 
-template <typename scalar_t>
-void mean_forward_typed(const at::Tensor& hidden, const at::Tensor& valid, at::Tensor& out) {
+template <typename scalar_t, typename out_t>
+void mean_forward_typed(const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out) {
   using acc = acc_t<scalar_t>;
   const int64_t dim = hidden.size(2);
-  scalar_t* o = out.data_ptr<scalar_t>();
+  out_t* o = out.data_ptr<out_t>();
   pool_forward<scalar_t>(
-      hidden, valid, [](acc* sum, auto*) { return SumReducer<scalar_t>{sum}; },
+      hidden, rows, [](acc* sum, auto*) { return SumReducer<scalar_t>{sum}; },
       [&](int64_t b, int64_t d0, int64_t n, const SumReducer<scalar_t>& r, int64_t count) {
-        scalar_t* dst = o + b * dim + d0;
+        out_t* dst = o + b * dim + d0;
         for (int64_t i = 0; i < n; ++i) {
-          dst[i] = count == 0 ? scalar_t(0) : static_cast<scalar_t>(r.sum[i] / static_cast<acc>(count));
+          dst[i] = count == 0 ? out_t(0) : static_cast<out_t>(r.sum[i] / static_cast<acc>(count));
         }
       });
 }
 
 template <typename scalar_t>
-void max_forward_typed(const at::Tensor& hidden, const at::Tensor& valid, at::Tensor& out, at::Tensor& argmax) {
+void max_forward_typed(const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out, at::Tensor& argmax) {
   using acc = acc_t<scalar_t>;
   const int64_t dim = hidden.size(2);
   scalar_t* o = out.data_ptr<scalar_t>();
   int32_t* a = argmax.data_ptr<int32_t>();
   pool_forward<scalar_t>(
-      hidden, valid, [](acc* best, auto* where) { return MaxReducer<scalar_t>{best, where}; },
+      hidden, rows, [](acc* best, auto* where) { return MaxReducer<scalar_t>{best, where}; },
       [&](int64_t b, int64_t d0, int64_t n, const MaxReducer<scalar_t>& r, int64_t count) {
         scalar_t* dst = o + b * dim + d0;
         int32_t* pos = a + b * dim + d0;
@@ -262,13 +301,19 @@ void max_forward_typed(const at::Tensor& hidden, const at::Tensor& valid, at::Te
       });
 }
 
-void mean_forward(const at::Tensor& hidden, const at::Tensor& valid, at::Tensor& out) {
-  LMK_DISPATCH_FLOATING(hidden.scalar_type(), "mean_pool", [&] { mean_forward_typed<scalar_t>(hidden, valid, out); });
+void mean_forward(const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out) {
+  LMK_DISPATCH_FLOATING(hidden.scalar_type(), "mean_pool", [&] {
+    if (out.scalar_type() == hidden.scalar_type()) {
+      mean_forward_typed<scalar_t, scalar_t>(hidden, rows, out);
+    } else {
+      mean_forward_typed<scalar_t, acc_t<scalar_t>>(hidden, rows, out);
+    }
+  });
 }
 
-void max_forward(const at::Tensor& hidden, const at::Tensor& valid, at::Tensor& out, at::Tensor& argmax) {
+void max_forward(const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out, at::Tensor& argmax) {
   LMK_DISPATCH_FLOATING(
-      hidden.scalar_type(), "max_pool", [&] { max_forward_typed<scalar_t>(hidden, valid, out, argmax); });
+      hidden.scalar_type(), "max_pool", [&] { max_forward_typed<scalar_t>(hidden, rows, out, argmax); });
 }
 
 // Backward of max: grad_hidden[b, l, d] = grad[b, d] where argmax[b, d] == l, else 0. Split over (b, l) rows, each

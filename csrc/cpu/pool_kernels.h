@@ -6,14 +6,16 @@
 
 #include <string>
 
+#include "common/row_selection.h"
+
 namespace lmk_ops::cpu {
 
 struct PoolKernels {
-  // hidden [B, L, D] with stride(2) == 1 (other strides free); valid: contiguous bool [B, L] or undefined (all
-  // valid); out [B, D] contiguous in hidden's dtype. B, L, D > 0.
-  void (*mean_forward)(const at::Tensor& hidden, const at::Tensor& valid, at::Tensor& out);
-  // As mean_forward, plus argmax [B, D] contiguous int32 (-1 for a row with no valid token).
-  void (*max_forward)(const at::Tensor& hidden, const at::Tensor& valid, at::Tensor& out, at::Tensor& argmax);
+  // hidden [B, L, D] with any strides; out [B, D] contiguous, in hidden's dtype or in its accumulation type
+  // (float32, float64 for float64), which keeps the mean unrounded for a normalisation that follows. B, L, D > 0.
+  void (*mean_forward)(const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out);
+  // As mean_forward with out in hidden's dtype, plus argmax [B, D] contiguous int32 (-1 for a text with no row).
+  void (*max_forward)(const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out, at::Tensor& argmax);
   // grad [B, D] contiguous, argmax [B, D] contiguous int32; grad_hidden [B, L, D] contiguous, fully written.
   void (*max_backward)(const at::Tensor& grad, const at::Tensor& argmax, at::Tensor& grad_hidden);
 };

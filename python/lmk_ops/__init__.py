@@ -10,7 +10,7 @@ _C = load_extension()
 
 from . import _autograd, _meta  # noqa: E402,F401  (register fake kernels and autograd with the dispatcher)
 from . import reference  # noqa: E402,F401
-from .ops import max_pool, mean_pool  # noqa: E402
+from .ops import landmark_gather, landmark_mean, landmark_positions, max_pool, mean_pool  # noqa: E402
 
 __version__: str = _C.build_info()["version"]
 
@@ -25,4 +25,7 @@ def build_info() -> dict:
     return dict(_C.build_info())
 
 
-__all__ = ["__version__", "build_info", "max_pool", "mean_pool", "reference"]
+__all__ = [
+    "__version__", "build_info", "landmark_gather", "landmark_mean", "landmark_positions", "max_pool", "mean_pool",
+    "reference",
+]

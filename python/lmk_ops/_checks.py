@@ -1,7 +1,8 @@
 """Structural input checks for the fake (meta) kernels, worded exactly as the C++ checks in csrc/common/checks.cpp.
 
 Under torch.compile the fake kernels see the inputs first, so a bad call must fail there with the same message it
-gets eagerly. Checks that need tensor values (mask entries are 0/1, argmax in range) exist only in C++.
+gets eagerly. Checks that need tensor values (mask entries are 0/1, argmax and landmark positions in range) exist only
+in C++.
 """
 
 from __future__ import annotations
@@ -37,10 +38,7 @@ def check_hidden(op: str, hidden: torch.Tensor) -> None:
 
 
 def check_pooled_grad(op: str, grad: torch.Tensor) -> None:
-    if grad.dim() != 2:
-        fail(op, f"expected grad_out of shape [B, D] (2-D), got shape {_shape(grad)}")
-    if grad.dtype not in _FLOATS:
-        fail(op, f"expected grad_out of dtype float16, bfloat16, float32 or float64, got {dtype_name(grad.dtype)}")
+    check_grad(op, grad, 2, "[B, D]")
 
 
 def check_mask(op: str, mask: torch.Tensor | None, batch, seq_len, like: torch.Tensor) -> None:
@@ -52,3 +50,32 @@ def check_mask(op: str, mask: torch.Tensor | None, batch, seq_len, like: torch.T
         fail(op, f"expected mask of shape [B, L] = [{batch}, {seq_len}], got {_shape(mask)}")
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
         fail(op, f"expected mask of dtype bool or an integer dtype holding 0/1, got {dtype_name(mask.dtype)}")
+
+
+def check_grad(op: str, grad: torch.Tensor, dims: int, shape: str) -> None:
+    if grad.dim() != dims:
+        fail(op, f"expected grad_out of shape {shape} ({dims}-D), got shape {_shape(grad)}")
+    if grad.dtype not in _FLOATS:
+        fail(op, f"expected grad_out of dtype float16, bfloat16, float32 or float64, got {dtype_name(grad.dtype)}")
+
+
+def check_positions(op: str, positions: torch.Tensor, batch, like: torch.Tensor) -> None:
+    if positions.device != like.device:
+        fail(op, f"expected landmarks on the same device as hidden ({like.device}), got {positions.device}")
+    if positions.dtype != torch.int64:
+        fail(op, f"expected landmark positions of dtype int64 (padded with -1), got {dtype_name(positions.dtype)}")
+    if positions.dim() != 2 or positions.shape[0] != batch:
+        fail(op, f"expected landmark positions of shape [B, K] = [{batch}, K], got {_shape(positions)}")
+
+
+def check_landmarks(op: str, landmarks: torch.Tensor, batch, seq_len, like: torch.Tensor) -> None:
+    if landmarks.dtype not in (torch.bool, torch.int64):
+        fail(op, "expected landmarks as a bool mask [B, L] or int64 positions [B, K] padded with -1, got "
+             f"{dtype_name(landmarks.dtype)}")
+    if landmarks.dtype == torch.int64:
+        check_positions(op, landmarks, batch, like)
+        return
+    if landmarks.device != like.device:
+        fail(op, f"expected landmarks on the same device as hidden ({like.device}), got {landmarks.device}")
+    if landmarks.dim() != 2 or landmarks.shape[0] != batch or landmarks.shape[1] != seq_len:
+        fail(op, f"expected a landmark mask of shape [B, L] = [{batch}, {seq_len}], got {_shape(landmarks)}")

@@ -4,29 +4,43 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_hidden, check_mask, check_pooled_grad, dtype_name, fail
+from ._checks import check_grad, check_hidden, check_landmarks, check_mask, check_pooled_grad, check_positions
+from ._checks import dtype_name, fail
+
+
+def _norms(hidden, normalize: bool):
+    """The norm output: [B] in the accumulation type with normalize, else empty."""
+    wide = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    return hidden.new_empty((hidden.shape[0],) if normalize else (0,), dtype=wide)
+
+
+def _pooled(hidden):
+    return hidden.new_empty((hidden.shape[0], hidden.shape[2]))
+
+
+def _unpooled(grad_out, seq_len):
+    return grad_out.new_empty((grad_out.shape[0], seq_len, grad_out.shape[-1]))
 
 
 @torch.library.register_fake("lmk_ops::mean_pool")
-def _mean_pool_fake(hidden, mask=None):
+def _mean_pool_fake(hidden, mask=None, normalize=False):
     check_hidden("mean_pool", hidden)
     check_mask("mean_pool", mask, hidden.shape[0], hidden.shape[1], hidden)
-    return hidden.new_empty((hidden.shape[0], hidden.shape[2]))
+    return _pooled(hidden), _norms(hidden, normalize)
 
 
 @torch.library.register_fake("lmk_ops::mean_pool_backward")
 def _mean_pool_backward_fake(grad_out, mask, seq_len):
     check_pooled_grad("mean_pool_backward", grad_out)
     check_mask("mean_pool_backward", mask, grad_out.shape[0], seq_len, grad_out)
-    return grad_out.new_empty((grad_out.shape[0], seq_len, grad_out.shape[1]))
+    return _unpooled(grad_out, seq_len)
 
 
 @torch.library.register_fake("lmk_ops::max_pool")
-def _max_pool_fake(hidden, mask=None):
+def _max_pool_fake(hidden, mask=None, normalize=False):
     check_hidden("max_pool", hidden)
     check_mask("max_pool", mask, hidden.shape[0], hidden.shape[1], hidden)
-    shape = (hidden.shape[0], hidden.shape[2])
-    return hidden.new_empty(shape), hidden.new_empty(shape, dtype=torch.int32)
+    return _pooled(hidden), _pooled(hidden).to(torch.int32), _norms(hidden, normalize)
 
 
 @torch.library.register_fake("lmk_ops::max_pool_backward")
@@ -35,4 +49,35 @@ def _max_pool_backward_fake(grad_out, argmax, seq_len):
     if argmax.dtype != torch.int32 or argmax.shape != grad_out.shape:
         fail("max_pool_backward", f"expected argmax of dtype int32 and shape {list(grad_out.shape)} "
              f"(as max_pool returns), got {dtype_name(argmax.dtype)} of shape {list(argmax.shape)}")
-    return grad_out.new_empty((grad_out.shape[0], seq_len, grad_out.shape[1]))
+    return _unpooled(grad_out, seq_len)
+
+
+@torch.library.register_fake("lmk_ops::landmark_mean")
+def _landmark_mean_fake(hidden, landmarks, normalize=False):
+    check_hidden("landmark_mean", hidden)
+    check_landmarks("landmark_mean", landmarks, hidden.shape[0], hidden.shape[1], hidden)
+    return _pooled(hidden), _norms(hidden, normalize)
+
+
+@torch.library.register_fake("lmk_ops::landmark_mean_backward")
+def _landmark_mean_backward_fake(grad_out, landmarks, seq_len):
+    check_pooled_grad("landmark_mean_backward", grad_out)
+    check_landmarks("landmark_mean_backward", landmarks, grad_out.shape[0], seq_len, grad_out)
+    return _unpooled(grad_out, seq_len)
+
+
+@torch.library.register_fake("lmk_ops::landmark_gather")
+def _landmark_gather_fake(hidden, positions):
+    check_hidden("landmark_gather", hidden)
+    check_positions("landmark_gather", positions, hidden.shape[0], hidden)
+    return hidden.new_empty((hidden.shape[0], positions.shape[1], hidden.shape[2]))
+
+
+@torch.library.register_fake("lmk_ops::landmark_gather_backward")
+def _landmark_gather_backward_fake(grad_out, positions, seq_len):
+    check_grad("landmark_gather_backward", grad_out, 3, "[B, K, D]")
+    check_positions("landmark_gather_backward", positions, grad_out.shape[0], grad_out)
+    if positions.shape[1] != grad_out.shape[1]:
+        fail("landmark_gather_backward", f"expected grad_out of shape [B, K, D] with K = {positions.shape[1]} "
+             f"(as positions), got [{', '.join(str(s) for s in grad_out.shape)}]")
+    return _unpooled(grad_out, seq_len)

@@ -1,4 +1,4 @@
-"""The public pooling functions. Each calls one operator registered with the PyTorch dispatcher
+"""The public pooling functions. Each calls operators registered with the PyTorch dispatcher
 (``torch.ops.lmk_ops.*``), so it works eagerly, under autograd and under ``torch.compile(fullgraph=True)``."""
 
 from __future__ import annotations
@@ -6,16 +6,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["max_pool", "mean_pool"]
+__all__ = ["landmark_gather", "landmark_mean", "landmark_positions", "max_pool", "mean_pool"]
+
+_NORMALIZE_DOC = """normalize: L2-normalise each output vector inside the op (forward and backward), as
+            ``torch.nn.functional.normalize(out, dim=-1)`` would, but from the float32 result before it is rounded to
+            hidden's dtype. A zero vector stays zero."""
 
 
-def mean_pool(hidden: Tensor, mask: Tensor | None = None) -> Tensor:
+def mean_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False) -> Tensor:
     """Mask-aware mean of the token states of each text.
 
     Args:
         hidden: ``[B, L, D]`` float16, bfloat16, float32 or float64, any strides.
         mask: ``[B, L]`` bool, or integer holding 0/1 (a Hugging Face ``attention_mask``), on hidden's device;
             ``None`` means every token is valid.
+        {normalize}
 
     Returns:
         ``[B, D]`` in hidden's dtype: the mean of the valid rows, accumulated in float32 (float64 for float64).
@@ -25,15 +30,16 @@ def mean_pool(hidden: Tensor, mask: Tensor | None = None) -> Tensor:
         RuntimeError: starting ``lmk_ops.mean_pool:`` for hidden that is not 3-D floating point, a mask of
         another shape, device or dtype (float), or mask values other than 0/1.
     """
-    return torch.ops.lmk_ops.mean_pool(hidden, mask)
+    return torch.ops.lmk_ops.mean_pool(hidden, mask, normalize)[0]
 
 
-def max_pool(hidden: Tensor, mask: Tensor | None = None, *, return_indices: bool = False):
+def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False, return_indices: bool = False):
     """Mask-aware element-wise maximum over the token states of each text.
 
     Args:
         hidden: ``[B, L, D]`` float16, bfloat16, float32 or float64, any strides.
         mask: ``[B, L]`` bool or integer 0/1, ``None`` meaning every token is valid.
+        {normalize}
         return_indices: also return the position each maximum came from.
 
     Returns:
@@ -45,5 +51,83 @@ def max_pool(hidden: Tensor, mask: Tensor | None = None, *, return_indices: bool
     Raises:
         RuntimeError: starting ``lmk_ops.max_pool:``, as for :func:`mean_pool`.
     """
-    values, argmax = torch.ops.lmk_ops.max_pool(hidden, mask)
+    values, argmax, _ = torch.ops.lmk_ops.max_pool(hidden, mask, normalize)
     return (values, argmax) if return_indices else values
+
+
+def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False) -> Tensor:
+    """LMK pooling: the mean of the landmark tokens' states only (arXiv 2601.21525).
+
+    Only the landmark rows are read, so the cost grows with the number of landmarks, not with L. The backward
+    writes ``grad / count`` into the landmark rows and zeros elsewhere.
+
+    Args:
+        hidden: ``[B, L, D]`` float16, bfloat16, float32 or float64, any strides.
+        landmarks: either a bool mask ``[B, L]`` (True at landmark tokens, as :func:`lmk_ops.insert_landmarks`
+            returns), or int64 positions ``[B, K]`` padded with -1 (``-1`` entries may appear anywhere and are
+            skipped). A position listed twice counts twice: the result is the mean of the listed rows, exactly
+            the mean of what :func:`landmark_gather` returns for the valid entries. An integer 0/1 mask is *not*
+            accepted as a mask (it would read as positions): pass ``mask.bool()``.
+        {normalize}
+
+    Returns:
+        ``[B, D]`` in hidden's dtype, accumulated in float32 (float64 for float64). A text without landmarks gives
+        zeros and zero gradient.
+
+    Raises:
+        RuntimeError: starting ``lmk_ops.landmark_mean:`` for a bad hidden, landmarks of another dtype, shape or
+        device, or a position outside ``[0, L)`` other than -1 (the message names the row and the entry; nothing
+        outside hidden is ever read).
+    """
+    return torch.ops.lmk_ops.landmark_mean(hidden, landmarks, normalize)[0]
+
+
+def landmark_positions(landmark_mask: Tensor, num_landmarks: int | None = None) -> Tensor:
+    """The positions of the True entries of a bool ``[B, L]`` mask, in order, as int64 ``[B, K]`` padded with -1.
+
+    ``K`` is ``num_landmarks`` when given (a row with more landmarks is an error), else the largest count in the
+    batch. With ``num_landmarks=None`` the output shape depends on the data, which breaks a ``torch.compile`` graph.
+    """
+    if landmark_mask.dtype != torch.bool or landmark_mask.dim() != 2:
+        raise RuntimeError("lmk_ops.landmark_positions: expected a bool landmark mask of shape [B, L], got "
+                           f"{landmark_mask.dtype} of shape {list(landmark_mask.shape)}")
+    batch, seq_len = landmark_mask.shape
+    counts = landmark_mask.sum(1)
+    most = int(counts.max()) if batch else 0
+    if num_landmarks is None:
+        num_landmarks = most
+    elif most > num_landmarks:
+        row = int(counts.argmax())
+        raise RuntimeError(f"lmk_ops.landmark_positions: expected at most num_landmarks = {num_landmarks} landmarks "
+                           f"per row, got {most} in row {row}")
+    # Each landmark goes to column (its rank in the row); other tokens go to a spare last column, dropped after.
+    rank = landmark_mask.cumsum(1) - 1
+    column = torch.where(landmark_mask, rank, num_landmarks)
+    positions = torch.full((batch, num_landmarks + 1), -1, dtype=torch.long, device=landmark_mask.device)
+    positions.scatter_(1, column, torch.arange(seq_len, device=landmark_mask.device).expand(batch, seq_len))
+    return positions[:, :num_landmarks].clone()
+
+
+def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | None = None) -> tuple[Tensor, Tensor]:
+    """One vector per landmark: chunk or sentence embeddings (as in BGE Landmark Embedding, arXiv 2402.11573).
+
+    Args:
+        hidden: ``[B, L, D]`` float16, bfloat16, float32 or float64, any strides.
+        landmarks: int64 positions ``[B, K]`` padded with -1, or a bool mask ``[B, L]`` (turned into positions
+            by :func:`landmark_positions`, with ``num_landmarks``).
+
+    Returns:
+        ``(vectors, valid)``: ``[B, K, D]`` in hidden's dtype, with zero rows where there is no landmark, and the
+        bool ``[B, K]`` validity mask. The gradient flows back to the landmark rows; a position listed twice gets
+        the sum of both gradients.
+
+    Raises:
+        RuntimeError: starting ``lmk_ops.landmark_gather:``, as for :func:`landmark_mean`.
+    """
+    if landmarks.dtype == torch.bool:
+        landmarks = landmark_positions(landmarks, num_landmarks)
+    return torch.ops.lmk_ops.landmark_gather(hidden, landmarks), landmarks >= 0
+
+
+for _fn in (mean_pool, max_pool, landmark_mean):
+    _fn.__doc__ = _fn.__doc__.replace("{normalize}", _NORMALIZE_DOC)

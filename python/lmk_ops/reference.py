@@ -5,9 +5,10 @@ an upcast input to get a float32 / float64 oracle)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["max_pool", "mean_pool"]
+__all__ = ["landmark_gather", "landmark_mean", "max_pool", "mean_pool"]
 
 
 def _valid(hidden: Tensor, mask: Tensor | None) -> Tensor:
@@ -16,14 +17,18 @@ def _valid(hidden: Tensor, mask: Tensor | None) -> Tensor:
     return mask != 0
 
 
-def mean_pool(hidden: Tensor, mask: Tensor | None = None) -> Tensor:
+def _maybe_normalize(out: Tensor, normalize: bool) -> Tensor:
+    return F.normalize(out, dim=-1) if normalize else out
+
+
+def mean_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False) -> Tensor:
     valid = _valid(hidden, mask)
     summed = (hidden * valid.unsqueeze(-1).to(hidden.dtype)).sum(dim=1)
     count = valid.sum(dim=1, keepdim=True).clamp(min=1).to(hidden.dtype)
-    return summed / count
+    return _maybe_normalize(summed / count, normalize)
 
 
-def max_pool(hidden: Tensor, mask: Tensor | None = None, *, return_indices: bool = False):
+def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False, return_indices: bool = False):
     valid = _valid(hidden, mask).unsqueeze(-1)
     filled = hidden.masked_fill(~valid, float("-inf"))
     best = filled.amax(dim=1, keepdim=True)
@@ -32,7 +37,35 @@ def max_pool(hidden: Tensor, mask: Tensor | None = None, *, return_indices: bool
     index = hit.to(torch.int8).argmax(dim=1)
     values = hidden.gather(1, index.unsqueeze(1)).squeeze(1)
     any_valid = valid.any(dim=1)
-    values = torch.where(any_valid, values, torch.zeros_like(values))
+    values = _maybe_normalize(torch.where(any_valid, values, torch.zeros_like(values)), normalize)
     if return_indices:
         return values, torch.where(any_valid, index, -1).to(torch.int32)
     return values
+
+
+def _positions(landmarks: Tensor) -> Tensor:
+    """int64 positions [B, K] padded with -1 from either landmark form (a bool mask: a loop over rows)."""
+    if landmarks.dtype != torch.bool:
+        return landmarks
+    rows = [row.nonzero().flatten() for row in landmarks]
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((landmarks.shape[0], width), -1, dtype=torch.long, device=landmarks.device)
+    for b, r in enumerate(rows):
+        out[b, : len(r)] = r
+    return out
+
+
+def landmark_gather(hidden: Tensor, landmarks: Tensor) -> tuple[Tensor, Tensor]:
+    positions = _positions(landmarks)
+    valid = positions >= 0
+    index = positions.clamp(min=0).unsqueeze(-1).expand(-1, -1, hidden.shape[2])
+    gathered = hidden.gather(1, index) * valid.unsqueeze(-1).to(hidden.dtype)
+    return gathered, valid
+
+
+def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False) -> Tensor:
+    if landmarks.dtype == torch.bool:
+        return mean_pool(hidden, landmarks, normalize=normalize)
+    gathered, valid = landmark_gather(hidden, landmarks)
+    count = valid.sum(dim=1, keepdim=True).clamp(min=1).to(hidden.dtype)
+    return _maybe_normalize(gathered.sum(dim=1) / count, normalize)

@@ -1,0 +1,25 @@
+#pragma once
+// Building blocks shared by the CPU op implementations (pool_cpu.cpp, landmark_cpu.cpp). Inputs are checked.
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+
+#include "common/row_selection.h"
+
+namespace lmk_ops::cpu {
+
+bool is_empty_pool(const at::Tensor& hidden);
+
+// L2-normalises pooled [B, D] rows as torch.nn.functional.normalize does (divide by max(norm, 1e-12)), in the
+// accumulation type. Returns (rows in dtype, norms [B] in the accumulation type).
+std::tuple<at::Tensor, at::Tensor> normalize_pooled(const at::Tensor& pooled, at::ScalarType dtype);
+
+// The mean of each text's selected rows, [B, D] in hidden's dtype (zeros for a text with none), and the norms
+// normalize_pooled returns when normalize is set (an empty tensor when not).
+std::tuple<at::Tensor, at::Tensor> mean_of_rows(const at::Tensor& hidden, const RowSelection& rows, bool normalize);
+
+// The gradient of mean_of_rows: each selected row of text b gets grad[b] * times_selected / count[b], every other
+// row zero. [B, seq_len, D] in grad's dtype.
+at::Tensor mean_of_rows_backward(const at::Tensor& grad, const RowSelection& rows, int64_t seq_len);
+
+}  // namespace lmk_ops::cpu

@@ -9,17 +9,21 @@
 
 TORCH_LIBRARY(lmk_ops, m) {
   const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
-  // The pooling ops return (out, ..., norm): with normalize, out is L2-normalised (as F.normalize) and norm [B] holds
-  // the norms before normalising, in the accumulation type (float32, float64 for float64); without, norm is empty.
-  // Their backward ops take the gradient of the pooled vector before normalising (autograd applies the rest).
+  // The pooling ops return (out, ..., pooled): with normalize, out is L2-normalised (as F.normalize) and pooled [B, D]
+  // holds the vectors before normalising, unrounded in the accumulation type (float32, float64 for float64), for the
+  // backward; without normalize, pooled is empty.
+  // Their backward ops take the gradient of the pooled vector before normalising (autograd applies the rest); the
+  // mean backward ops take it unrounded, in float32, with dtype naming hidden's dtype (default: grad_out's).
   m.def("mean_pool(Tensor hidden, Tensor? mask=None, bool normalize=False) -> (Tensor, Tensor)", tags);
-  m.def("mean_pool_backward(Tensor grad_out, Tensor? mask, SymInt seq_len) -> Tensor", tags);
+  m.def("mean_pool_backward(Tensor grad_out, Tensor? mask, SymInt seq_len, ScalarType? dtype=None) -> Tensor", tags);
   // argmax is int32 [B, D], the first position of each maximum, -1 for an empty row.
   m.def("max_pool(Tensor hidden, Tensor? mask=None, bool normalize=False) -> (Tensor, Tensor, Tensor)", tags);
   m.def("max_pool_backward(Tensor grad_out, Tensor argmax, SymInt seq_len) -> Tensor", tags);
   // landmarks: a bool mask [B, L] or int64 positions [B, K] padded with -1 (a repeated position counts each time).
   m.def("landmark_mean(Tensor hidden, Tensor landmarks, bool normalize=False) -> (Tensor, Tensor)", tags);
-  m.def("landmark_mean_backward(Tensor grad_out, Tensor landmarks, SymInt seq_len) -> Tensor", tags);
+  m.def(
+      "landmark_mean_backward(Tensor grad_out, Tensor landmarks, SymInt seq_len, ScalarType? dtype=None) -> Tensor",
+      tags);
   // positions: int64 [B, K] padded with -1; returns [B, K, D], zero rows for -1.
   m.def("landmark_gather(Tensor hidden, Tensor positions) -> Tensor", tags);
   m.def("landmark_gather_backward(Tensor grad_out, Tensor positions, SymInt seq_len) -> Tensor", tags);

@@ -64,3 +64,51 @@ def pool_cases(draw, dtypes=DTYPES, max_seq=300, max_dim=300) -> PoolCase:
     mask = make_mask(draw(st.sampled_from(MASK_KINDS)), draw(st.sampled_from(MASK_DTYPES)), batch, seq_len, gen)
     grad = torch.randn(batch, dim, generator=gen, dtype=torch.float64).to(dtype)
     return PoolCase(hidden, mask, grad)
+
+
+LANDMARK_FORMS = ("mask", "positions")
+
+
+@dataclass
+class LandmarkCase:
+    hidden: torch.Tensor
+    landmarks: torch.Tensor  # bool [B, L] or int64 positions [B, K] padded with -1
+    grad: torch.Tensor  # upstream gradient for the pooled [B, D] output
+
+    def __repr__(self) -> str:
+        h, lm = self.hidden, self.landmarks
+        return (f"LandmarkCase(shape={list(h.shape)}, dtype={h.dtype}, strides={h.stride()}, "
+                f"landmarks={lm.dtype} {lm.tolist() if lm.dtype == torch.long else lm.sum(1).tolist()})")
+
+
+def make_positions(batch, seq_len, gen) -> torch.Tensor:
+    """int64 [B, K] positions: random rows (repeats allowed), -1 anywhere, some rows all -1."""
+    width = int(torch.randint(0, 12, (), generator=gen))
+    positions = torch.randint(0, seq_len, (batch, width), generator=gen)
+    positions[torch.rand(batch, width, generator=gen) < 0.3] = -1
+    positions[torch.rand(batch, generator=gen) < 0.2] = -1
+    return positions
+
+
+def make_landmark_mask(batch, seq_len, gen) -> torch.Tensor:
+    """bool [B, L]: a landmark every `interval` tokens of a right-padded text, the way insert_landmarks lays them."""
+    interval = int(torch.randint(1, 40, (), generator=gen))
+    lengths = torch.randint(0, seq_len + 1, (batch,), generator=gen)
+    positions = torch.arange(seq_len)
+    return ((positions + 1) % (interval + 1) == 0) & (positions < lengths[:, None]) | (positions == lengths[:, None] - 1)
+
+
+@st.composite
+def landmark_cases(draw, dtypes=DTYPES, max_seq=300, max_dim=300) -> LandmarkCase:
+    batch = draw(st.integers(1, 8))
+    seq_len = draw(st.integers(1, max_seq))
+    dim = draw(st.integers(1, max_dim))
+    dtype = draw(st.sampled_from(dtypes))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    hidden = make_hidden((batch, seq_len, dim), dtype, draw(st.sampled_from(LAYOUTS)), gen)
+    if draw(st.sampled_from(LANDMARK_FORMS)) == "mask":
+        landmarks = make_landmark_mask(batch, seq_len, gen)
+    else:
+        landmarks = make_positions(batch, seq_len, gen)
+    grad = torch.randn(batch, dim, generator=gen, dtype=torch.float64).to(dtype)
+    return LandmarkCase(hidden, landmarks, grad)

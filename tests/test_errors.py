@@ -4,6 +4,7 @@ fake kernels (the path torch.compile and meta tensors take)."""
 import pytest
 import torch
 
+import lmk_ops
 from parity import OPS
 
 POOLS = {op: ours for op, (ours, _) in OPS.items()}
@@ -65,3 +66,70 @@ def test_backward_ops_check_their_inputs():
             ops.max_pool_backward(grad, torch.zeros(2, 4, dtype=torch.long, device=device), 3)
     with pytest.raises(RuntimeError, match=r"^lmk_ops\.max_pool_backward: expected argmax values in \[-1, seq_len\) = \[-1, 3\), got values in \[0, 7\]"):
         ops.max_pool_backward(torch.randn(2, 4), torch.tensor([[0, 7, 1, 1], [0, 0, 0, 0]], dtype=torch.int32), 3)
+
+
+LANDMARK_OPS = {
+    "landmark_mean": lmk_ops.landmark_mean,
+    "landmark_gather": lambda hidden, landmarks: lmk_ops.landmark_gather(hidden, landmarks)[0],
+}
+# (description, landmarks for hidden [2, 3, 4], message pattern after "lmk_ops.<op>: ")
+BAD_LANDMARKS = [
+    ("int32 positions", torch.zeros(2, 1, dtype=torch.int32), r"expected landmarks as a bool mask \[B, L\] or int64 positions \[B, K\] padded with -1, got Int"),
+    ("float landmarks", torch.zeros(2, 3), r"expected landmarks as a bool mask \[B, L\] or int64 positions \[B, K\] padded with -1, got Float"),
+    ("positions batch mismatch", torch.zeros(3, 2, dtype=torch.long), r"expected landmark positions of shape \[B, K\] = \[2, K\], got \[3, 2\]"),
+    ("1-D positions", torch.zeros(2, dtype=torch.long), r"expected landmark positions of shape \[B, K\] = \[2, K\], got \[2\]"),
+    ("mask length mismatch", torch.ones(2, 5, dtype=torch.bool), r"expected a landmark mask of shape \[B, L\] = \[2, 3\], got \[2, 5\]"),
+]
+
+
+@pytest.mark.parametrize("op", ["landmark_mean"])
+@pytest.mark.parametrize("case", BAD_LANDMARKS, ids=[c[0] for c in BAD_LANDMARKS])
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_bad_landmarks(op, case, device):
+    _, landmarks, pattern = case
+    with pytest.raises(RuntimeError, match=rf"^lmk_ops\.{op}: {pattern}"):
+        LANDMARK_OPS[op](torch.randn(2, 3, 4, device=device), landmarks.to(device))
+
+
+@pytest.mark.parametrize("op", LANDMARK_OPS)
+@pytest.mark.parametrize("bad,row,entry", [(3, 1, 1), (-2, 0, 0), (100, 1, 0)])
+def test_positions_out_of_range_name_the_row_and_position(op, bad, row, entry):
+    positions = torch.tensor([[0, 2], [1, -1]])
+    positions[row, entry] = bad
+    pattern = (rf"^lmk_ops\.{op}: expected landmark positions in \[0, L\) = \[0, 3\) or -1 for none, got {bad} "
+               rf"in row {row} \(landmarks\[{row}, {entry}\]\)")
+    with pytest.raises(RuntimeError, match=pattern):
+        LANDMARK_OPS[op](torch.randn(2, 3, 4), positions)
+
+
+@pytest.mark.parametrize("op", LANDMARK_OPS)
+def test_landmarks_on_another_device(op):
+    for landmarks in (torch.zeros(2, 1, dtype=torch.long, device="meta"), torch.ones(2, 3, dtype=torch.bool, device="meta")):
+        if op == "landmark_gather" and landmarks.dtype == torch.bool:
+            continue  # turned into positions on its own device first
+        with pytest.raises(RuntimeError, match=rf"^lmk_ops\.{op}: expected landmarks on the same device as hidden \(cpu\), got meta"):
+            LANDMARK_OPS[op](torch.randn(2, 3, 4), landmarks)
+
+
+def test_landmark_gather_positions_must_be_int64():
+    for device in ("cpu", "meta"):
+        with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_gather: expected landmark positions of dtype int64 \(padded with -1\), got Int"):
+            lmk_ops.landmark_gather(torch.randn(2, 3, 4, device=device), torch.zeros(2, 1, dtype=torch.int32, device=device))
+
+
+def test_landmark_backward_ops_check_their_inputs():
+    ops = torch.ops.lmk_ops
+    positions = torch.tensor([[0, 2], [1, -1]])
+    for device in ("cpu", "meta"):
+        with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_gather_backward: expected grad_out of shape \[B, K, D\] with K = 2 \(as positions\), got \[2, 3, 4\]"):
+            ops.landmark_gather_backward(torch.randn(2, 3, 4, device=device), positions.to(device), 3)
+        with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_mean_backward: expected dtype float16, bfloat16, float32 or float64, got Long"):
+            ops.landmark_mean_backward(torch.randn(2, 4, device=device), positions.to(device), 3, torch.long)
+    with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_mean_backward: expected landmark positions in \[0, L\) = \[0, 2\)"):
+        ops.landmark_mean_backward(torch.randn(2, 4), positions, 2)
+
+
+def test_landmark_mean_under_compile_reports_the_error():
+    compiled = torch.compile(lmk_ops.landmark_mean, fullgraph=True)
+    with pytest.raises(Exception, match=r"lmk_ops\.landmark_mean: expected a landmark mask of shape \[B, L\] = \[2, 3\], got \[2, 4\]"):
+        compiled(torch.randn(2, 3, 4), torch.ones(2, 4, dtype=torch.bool))

@@ -6,6 +6,8 @@ import importlib
 import pytest
 import torch
 
+from functools import partial
+
 import lmk_ops
 from lmk_ops import _loader
 from parity import OPS
@@ -20,46 +22,85 @@ def _inputs(dtype=torch.float32, requires_grad=True):
     return hidden, mask
 
 
+# The landmark layouts of _inputs' 3 x 11 batch: a bool mask, and positions with a repeat, -1 and an empty row.
+LANDMARK_MASK = torch.tensor([[0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1], [0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0], [0] * 11]).bool()
+POSITIONS = torch.tensor([[2, 5, 10, -1], [1, -1, 1, 3], [-1, -1, -1, -1]])
+
+# Every public function as f(hidden, second_argument), with the argument kinds it is checked with.
+FUNCTIONS = {
+    "mean_pool": (lmk_ops.mean_pool, "mask"),
+    "mean_pool+normalize": (partial(lmk_ops.mean_pool, normalize=True), "mask"),
+    "max_pool": (lmk_ops.max_pool, "mask"),
+    "max_pool+normalize": (partial(lmk_ops.max_pool, normalize=True), "mask"),
+    "landmark_mean": (lmk_ops.landmark_mean, "landmarks"),
+    "landmark_mean+normalize": (partial(lmk_ops.landmark_mean, normalize=True), "landmarks"),
+    "landmark_gather": (lambda h, lm: lmk_ops.landmark_gather(h, lm)[0], "positions"),
+}
+SECOND_ARGUMENTS = {
+    "mask": {"mask": lambda: _inputs()[1], "no mask": lambda: None},
+    "landmarks": {"landmark mask": lambda: LANDMARK_MASK, "positions": lambda: POSITIONS},
+    "positions": {"positions": lambda: POSITIONS},
+}
+CASES = [(name, kind) for name, (_, arg) in FUNCTIONS.items() for kind in SECOND_ARGUMENTS[arg]]
+
+
+def _case(name, kind, dtype=torch.float32):
+    fn, arg = FUNCTIONS[name]
+    return fn, _inputs(dtype)[0], SECOND_ARGUMENTS[arg][kind]()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mask_kind", ["none", "int", "bool"])
-def test_opcheck_forward_ops(dtype, mask_kind):
+@pytest.mark.parametrize("normalize", [False, True])
+def test_opcheck_pooling_ops(dtype, mask_kind, normalize):
     hidden, mask = _inputs(dtype)
     mask = {"none": None, "int": mask, "bool": mask.bool()}[mask_kind]
-    torch.library.opcheck(ops.mean_pool.default, (hidden, mask))
-    torch.library.opcheck(ops.max_pool.default, (hidden, mask))
+    torch.library.opcheck(ops.mean_pool.default, (hidden, mask, normalize))
+    torch.library.opcheck(ops.max_pool.default, (hidden, mask, normalize))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_opcheck_landmark_ops(dtype, normalize):
+    hidden, _ = _inputs(dtype)
+    for landmarks in (LANDMARK_MASK, POSITIONS):
+        torch.library.opcheck(ops.landmark_mean.default, (hidden, landmarks, normalize))
+    torch.library.opcheck(ops.landmark_gather.default, (hidden, POSITIONS))
 
 
 def test_opcheck_backward_ops():
     hidden, mask = _inputs()
     grad = torch.randn(3, 13, requires_grad=True)
     torch.library.opcheck(ops.mean_pool_backward.default, (grad, mask, 11))
-    torch.library.opcheck(ops.mean_pool_backward.default, (grad, None, 11))
-    _, argmax = ops.max_pool(hidden.detach(), mask)
+    torch.library.opcheck(ops.mean_pool_backward.default, (grad, None, 11, torch.bfloat16))
+    _, argmax, _ = ops.max_pool(hidden.detach(), mask)
     torch.library.opcheck(ops.max_pool_backward.default, (grad, argmax, 11))
+    for landmarks in (LANDMARK_MASK, POSITIONS):
+        torch.library.opcheck(ops.landmark_mean_backward.default, (grad, landmarks, 11))
+    torch.library.opcheck(ops.landmark_mean_backward.default, (grad, POSITIONS, 11, torch.float16))
+    torch.library.opcheck(ops.landmark_gather_backward.default, (torch.randn(3, 4, 13, requires_grad=True), POSITIONS, 11))
 
 
-@pytest.mark.parametrize("op", OPS)
-def test_gradients_are_wired(op):
+@pytest.mark.parametrize("name,kind", CASES)
+def test_gradients_are_wired(name, kind):
     # A missing autograd registration leaves .grad None while opcheck still passes: check it directly.
-    hidden, mask = _inputs()
-    OPS[op][0](hidden, mask).sum().backward()
+    fn, hidden, arg = _case(name, kind)
+    (fn(hidden, arg) * torch.randn(fn(hidden, arg).shape)).sum().backward()
     assert hidden.grad is not None and hidden.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("with_mask", [True, False])
-def test_gradcheck_and_gradgradcheck_float64(op, with_mask):
-    hidden, mask = _inputs(torch.float64)
-    mask = mask if with_mask else None
-    fn = OPS[op][0]
-    assert torch.autograd.gradcheck(lambda h: fn(h, mask), (hidden,))
-    assert torch.autograd.gradgradcheck(lambda h: fn(h, mask), (hidden,))
+@pytest.mark.parametrize("name,kind", CASES)
+def test_gradcheck_and_gradgradcheck_float64(name, kind):
+    fn, hidden, arg = _case(name, kind, torch.float64)
+    assert torch.autograd.gradcheck(lambda h: fn(h, arg), (hidden,))
+    assert torch.autograd.gradgradcheck(lambda h: fn(h, arg), (hidden,))
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", [*OPS, "landmark_mean+normalize"])
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_compile_fullgraph_matches_eager(op, dynamic):
-    fn = OPS[op][0]
+    torch._dynamo.reset()  # each case compiles the same code object with another op; keep under the recompile limit
+    fn = FUNCTIONS[op][0]
 
     def model(hidden, mask, weight):
         return torch.nn.functional.normalize(fn(hidden @ weight, mask), dim=-1)
@@ -98,5 +139,19 @@ def test_mismatched_torch_build_raises_a_clear_import_error(monkeypatch):
 
 
 def test_public_api_is_documented():
-    for fn in (lmk_ops.mean_pool, lmk_ops.max_pool, lmk_ops.build_info):
-        assert fn.__doc__ and "Returns" in fn.__doc__ or (fn is lmk_ops.build_info and "Keys" in fn.__doc__)
+    for fn in (lmk_ops.mean_pool, lmk_ops.max_pool, lmk_ops.landmark_mean, lmk_ops.landmark_gather):
+        assert "Returns" in fn.__doc__ and "Raises" in fn.__doc__ and "{" not in fn.__doc__
+    assert "Keys" in lmk_ops.build_info.__doc__ and lmk_ops.landmark_positions.__doc__
+
+
+def test_compile_fullgraph_landmark_positions_and_gather():
+    def model(hidden, positions):
+        vectors, valid = lmk_ops.landmark_gather(hidden, positions)
+        return lmk_ops.landmark_mean(hidden, positions, normalize=True), vectors, valid
+
+    hidden = torch.randn(3, 11, 13, requires_grad=True)
+    compiled = torch.compile(model, fullgraph=True)
+    for got, want in zip(compiled(hidden, POSITIONS), model(hidden, POSITIONS)):
+        torch.testing.assert_close(got, want)
+    grads = torch.autograd.grad(compiled(hidden, POSITIONS)[1].sum(), hidden)
+    torch.testing.assert_close(grads[0], torch.autograd.grad(model(hidden, POSITIONS)[1].sum(), hidden)[0])

@@ -40,6 +40,12 @@ void check_grad(const char* op, const at::Tensor& grad, int64_t dims, const char
       ": expected grad_out of dtype float16, bfloat16, float32 or float64, got ", grad.scalar_type());
 }
 
+void check_grad_dtype(const char* op, std::optional<at::ScalarType> dtype) {
+  TORCH_CHECK(
+      !dtype.has_value() || is_supported_float(*dtype), "lmk_ops.", op,
+      ": expected dtype float16, bfloat16, float32 or float64, got ", *dtype);
+}
+
 at::Tensor prepare_mask(
     const char* op,
     const std::optional<at::Tensor>& mask,

@@ -20,6 +20,9 @@ inline void check_pooled_grad(const char* op, const at::Tensor& grad) {
   check_grad(op, grad, 2, "[B, D]");
 }
 
+// dtype, when given: the floating dtype a backward op returns its gradient in.
+void check_grad_dtype(const char* op, std::optional<at::ScalarType> dtype);
+
 // Validates an attention mask against [batch, seq_len] and like's device. Accepts bool or integer tensors whose
 // values are 0 or 1 (a Hugging Face attention_mask). Returns it as a contiguous bool tensor, or an undefined tensor
 // when no mask was given (every token valid).

@@ -7,8 +7,11 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "common/checks.h"
 #include "common/dispatch.h"
@@ -26,12 +29,14 @@ std::tuple<at::Tensor, at::Tensor> landmark_mean(const at::Tensor& hidden, const
   return mean_of_rows(hidden, rows, normalize);
 }
 
-at::Tensor landmark_mean_backward(const at::Tensor& grad, const at::Tensor& landmarks, int64_t seq_len) {
+at::Tensor landmark_mean_backward(
+    const at::Tensor& grad, const at::Tensor& landmarks, int64_t seq_len, std::optional<at::ScalarType> dtype) {
   constexpr const char* op = "landmark_mean_backward";
   check_pooled_grad(op, grad);
+  check_grad_dtype(op, dtype);
   TORCH_CHECK(seq_len >= 0, "lmk_ops.", op, ": expected seq_len >= 0, got ", seq_len);
   const RowSelection rows = prepare_landmarks(op, landmarks, grad.size(0), seq_len, grad);
-  return mean_of_rows_backward(grad, rows, seq_len);
+  return mean_of_rows_backward(grad, rows, seq_len, dtype);
 }
 
 // out[b, k] = hidden[b, positions[b, k]], zeros where the position is -1. Split over (b, k) rows: each output row
@@ -75,9 +80,9 @@ at::Tensor landmark_gather(const at::Tensor& hidden, const at::Tensor& positions
   return out;
 }
 
-// grad_hidden[b, l] = the sum of grad[b, k] over the k listing position l (zero for a row nobody lists). Split over
-// texts; within a text the listed rows are added in k order, so repeated positions sum deterministically (in the
-// accumulation type, rounded once per addition).
+// grad_hidden[b, l] = the sum of grad[b, k] over the k listing position l (rows nobody lists stay zero). Split over
+// texts. A row listed once is a copy; a repeated position's gradients are summed in k order in the accumulation
+// type and rounded once, so the result is deterministic and as exact as one rounding allows.
 template <typename scalar_t>
 void scatter_rows(const at::Tensor& grad, const at::Tensor& positions, at::Tensor& grad_hidden) {
   using acc = at::opmath_type<scalar_t>;
@@ -86,16 +91,34 @@ void scatter_rows(const at::Tensor& grad, const at::Tensor& positions, at::Tenso
   const int64_t* p = positions.const_data_ptr<int64_t>();
   scalar_t* out = grad_hidden.data_ptr<scalar_t>();
   at::parallel_for(0, grad_hidden.size(0), 1, [&](int64_t begin, int64_t end) {
+    std::vector<std::pair<int64_t, int64_t>> rows;  // (l, k), grouped by l with k increasing
+    std::vector<acc> sum(dim);
     for (int64_t b = begin; b < end; ++b) {
+      rows.clear();
       for (int64_t k = 0; k < listed; ++k) {
-        const int64_t l = p[b * listed + k];
-        if (l < 0) {
+        if (p[b * listed + k] >= 0) {
+          rows.emplace_back(p[b * listed + k], k);
+        }
+      }
+      std::sort(rows.begin(), rows.end());
+      for (size_t first = 0, last; first < rows.size(); first = last) {
+        for (last = first + 1; last < rows.size() && rows[last].first == rows[first].first; ++last) {
+        }
+        scalar_t* dst = out + (b * seq_len + rows[first].first) * dim;
+        const scalar_t* src = g + (b * listed + rows[first].second) * dim;
+        if (last - first == 1) {
+          std::memcpy(dst, src, dim * sizeof(scalar_t));
           continue;
         }
-        const scalar_t* src = g + (b * listed + k) * dim;
-        scalar_t* dst = out + (b * seq_len + l) * dim;
+        std::fill(sum.begin(), sum.end(), acc(0));
+        for (size_t i = first; i < last; ++i) {
+          const scalar_t* row = g + (b * listed + rows[i].second) * dim;
+          for (int64_t d = 0; d < dim; ++d) {
+            sum[d] += static_cast<acc>(row[d]);
+          }
+        }
         for (int64_t d = 0; d < dim; ++d) {
-          dst[d] = static_cast<scalar_t>(static_cast<acc>(dst[d]) + static_cast<acc>(src[d]));
+          dst[d] = static_cast<scalar_t>(sum[d]);
         }
       }
     }

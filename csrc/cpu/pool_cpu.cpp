@@ -24,12 +24,15 @@ std::tuple<at::Tensor, at::Tensor> mean_pool(
   return mean_of_rows(hidden, rows, normalize);
 }
 
-at::Tensor mean_pool_backward(const at::Tensor& grad, const std::optional<at::Tensor>& mask, int64_t seq_len) {
+at::Tensor mean_pool_backward(
+    const at::Tensor& grad, const std::optional<at::Tensor>& mask, int64_t seq_len,
+    std::optional<at::ScalarType> dtype) {
   constexpr const char* op = "mean_pool_backward";
   check_pooled_grad(op, grad);
+  check_grad_dtype(op, dtype);
   TORCH_CHECK(seq_len >= 0, "lmk_ops.", op, ": expected seq_len >= 0, got ", seq_len);
   const RowSelection rows{prepare_mask(op, mask, grad.size(0), seq_len, grad), at::Tensor()};
-  return mean_of_rows_backward(grad, rows, seq_len);
+  return mean_of_rows_backward(grad, rows, seq_len, dtype);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> max_pool(
@@ -52,8 +55,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> max_pool(
   }
   if (normalize) {
     // The maxima are input values, exact in hidden's dtype: normalising them afterwards loses nothing.
-    auto [normalized, norm] = normalize_pooled(out, hidden.scalar_type());
-    return {normalized, argmax, norm};
+    auto [normalized, pooled] = normalize_pooled(out, hidden.scalar_type());
+    return {normalized, argmax, pooled};
   }
   return {out, argmax, at::empty({0}, hidden.options().dtype(at::toOpMathType(hidden.scalar_type())))};
 }

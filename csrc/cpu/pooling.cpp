@@ -19,10 +19,10 @@ bool is_empty_pool(const at::Tensor& hidden) {
 }
 
 std::tuple<at::Tensor, at::Tensor> normalize_pooled(const at::Tensor& pooled, at::ScalarType dtype) {
-  const at::Tensor wide = pooled.to(at::toOpMathType(dtype));
-  at::Tensor norm = at::linalg_vector_norm(wide, 2, {1});
-  at::Tensor out = wide.div(norm.clamp_min(1e-12).unsqueeze(1)).to(dtype);
-  return {out, norm};
+  at::Tensor wide = pooled.to(at::toOpMathType(dtype));
+  const at::Tensor norm = at::linalg_vector_norm(wide, 2, {1}, /*keepdim=*/true);
+  at::Tensor out = wide.div(norm.clamp_min(1e-12)).to(dtype);
+  return {out, wide};
 }
 
 std::tuple<at::Tensor, at::Tensor> mean_of_rows(const at::Tensor& hidden, const RowSelection& rows, bool normalize) {
@@ -107,17 +107,18 @@ void write_weighted_rows(const at::Tensor& scaled_wide, const times_t* times, at
 
 }  // namespace
 
-at::Tensor mean_of_rows_backward(const at::Tensor& grad, const RowSelection& rows, int64_t seq_len) {
+at::Tensor mean_of_rows_backward(
+    const at::Tensor& grad, const RowSelection& rows, int64_t seq_len, std::optional<at::ScalarType> dtype) {
   const int64_t batch = grad.size(0), dim = grad.size(1);
-  at::Tensor grad_hidden = at::empty({batch, seq_len, dim}, grad.options());
+  const at::ScalarType out_type = dtype.value_or(grad.scalar_type());
+  at::Tensor grad_hidden = at::empty({batch, seq_len, dim}, grad.options().dtype(out_type));
   if (grad_hidden.numel() == 0) {
     return grad_hidden;
   }
   const RowWeights weights = row_weights(rows, batch, seq_len, grad.options());
   // grad / count once per text, in the accumulation type.
-  const at::Tensor scaled =
-      grad.to(at::toOpMathType(grad.scalar_type())).div(weights.counts.clamp_min(1)).contiguous();
-  LMK_DISPATCH_FLOATING(grad.scalar_type(), "mean_of_rows_backward", [&] {
+  const at::Tensor scaled = grad.to(at::toOpMathType(out_type)).div(weights.counts.clamp_min(1)).contiguous();
+  LMK_DISPATCH_FLOATING(out_type, "mean_of_rows_backward", [&] {
     if (!weights.times.defined()) {
       write_weighted_rows<scalar_t, bool>(scaled, nullptr, grad_hidden);
     } else if (weights.times.scalar_type() == at::kBool) {

@@ -11,15 +11,16 @@ namespace lmk_ops::cpu {
 bool is_empty_pool(const at::Tensor& hidden);
 
 // L2-normalises pooled [B, D] rows as torch.nn.functional.normalize does (divide by max(norm, 1e-12)), in the
-// accumulation type. Returns (rows in dtype, norms [B] in the accumulation type).
+// accumulation type. Returns (rows in dtype, pooled in the accumulation type).
 std::tuple<at::Tensor, at::Tensor> normalize_pooled(const at::Tensor& pooled, at::ScalarType dtype);
 
-// The mean of each text's selected rows, [B, D] in hidden's dtype (zeros for a text with none), and the norms
-// normalize_pooled returns when normalize is set (an empty tensor when not).
+// The mean of each text's selected rows, [B, D] in hidden's dtype (zeros for a text with none); with normalize,
+// normalized as normalize_pooled does, and the unrounded means (an empty tensor without).
 std::tuple<at::Tensor, at::Tensor> mean_of_rows(const at::Tensor& hidden, const RowSelection& rows, bool normalize);
 
 // The gradient of mean_of_rows: each selected row of text b gets grad[b] * times_selected / count[b], every other
-// row zero. [B, seq_len, D] in grad's dtype.
-at::Tensor mean_of_rows_backward(const at::Tensor& grad, const RowSelection& rows, int64_t seq_len);
+// row zero. [B, seq_len, D] in dtype (grad's dtype when not given), rounded once from the accumulation type.
+at::Tensor mean_of_rows_backward(
+    const at::Tensor& grad, const RowSelection& rows, int64_t seq_len, std::optional<at::ScalarType> dtype);
 
 }  // namespace lmk_ops::cpu

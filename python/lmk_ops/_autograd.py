@@ -2,7 +2,7 @@
 (double backward), so gradcheck, gradgradcheck and higher-order uses work.
 
 The pooling ops fuse an optional L2 normalisation. Their backward first maps the gradient of the normalised output
-(and of the norm output) to the gradient of the pooled vector before normalising: [B, D] arithmetic in the
+(and of the unnormalised second output) to the gradient of the pooled vector before normalising: [B, D] arithmetic in the
 accumulation type, written with ATen ops so that it is differentiable too. The single pass that writes the
 [B, L, D] gradient is the backward operator.
 """
@@ -16,62 +16,61 @@ ops = torch.ops.lmk_ops
 _EPS = 1e-12  # as torch.nn.functional.normalize
 
 
-def _pooled_grad(ctx, grad, grad_norm):
-    """Gradient w.r.t. the pooled vector m, given those w.r.t. out = m / max(|m|, eps) and norm = |m|."""
+def _pooled_grad(ctx, grad, grad_pooled):
+    """Gradient w.r.t. the pooled vector m, given those w.r.t. out = m / max(|m|, eps) and w.r.t. the op's second
+    output (m itself, unrounded, saved with normalize). With normalize it stays in the accumulation type."""
     if not ctx.normalize:
         return grad
-    out, norm = ctx.saved_tensors[-2:]
-    y, g, n = out.to(norm.dtype), grad.to(norm.dtype), norm.unsqueeze(1)
-    above = n > _EPS
-    # Above eps, out = m / |m|: project out the component along y. At or below it the divisor is the constant eps.
-    through_out = torch.where(above, (g - y * (y * g).sum(1, keepdim=True)) / n.clamp_min(_EPS), g / _EPS)
-    if grad_norm is not None:
-        # d|m|/dm = m / |m| = y * max(|m|, eps) / |m|, taken as 0 at m = 0.
-        unit = torch.where(above, y, y * _EPS / n.clamp_min(torch.finfo(n.dtype).tiny))
-        through_out = through_out + grad_norm.unsqueeze(1) * unit
-    return through_out.to(grad.dtype)
+    (m,) = ctx.saved_tensors[-1:]
+    n = torch.linalg.vector_norm(m, dim=1, keepdim=True)
+    y, g = m / n.clamp_min(_EPS), grad.to(m.dtype)
+    # Above eps, out = m / |m|: project out the component along out. At or below it the divisor is the constant eps.
+    through_out = torch.where(n > _EPS, (g - y * (y * g).sum(1, keepdim=True)) / n.clamp_min(_EPS), g / _EPS)
+    return through_out + grad_pooled if grad_pooled is not None else through_out
 
 
-def _save_normalized(ctx, normalize, out, norm, *tensors):
+def _save_normalized(ctx, normalize, pooled, *tensors):
     ctx.normalize = normalize
-    ctx.save_for_backward(*tensors, *((out, norm) if normalize else ()))
+    ctx.save_for_backward(*tensors, *((pooled,) if normalize else ()))
 
 
 # mean_pool: d hidden[b, l] = grad[b] * mask[b, l] / count[b]. Saves only the mask (no activations).
 def _mean_pool_setup(ctx, inputs, output):
     hidden, mask, normalize = inputs
     ctx.seq_len = hidden.shape[1]
-    _save_normalized(ctx, normalize, *output, mask)
+    _save_normalized(ctx, normalize, output[1], mask)
 
 
-def _mean_pool_backward(ctx, grad, grad_norm):
+def _mean_pool_backward(ctx, grad, grad_pooled):
     mask = ctx.saved_tensors[0]
-    return ops.mean_pool_backward(_pooled_grad(ctx, grad, grad_norm), mask, ctx.seq_len), None, None
+    return ops.mean_pool_backward(_pooled_grad(ctx, grad, grad_pooled), mask, ctx.seq_len, grad.dtype), None, None
 
 
 # mean_pool_backward is linear in grad_out, and its adjoint is mean pooling itself.
+# (With a dtype, the adjoint's result is cast back to grad_out's dtype by autograd.)
 def _mean_pool_backward_setup(ctx, inputs, output):
-    _, mask, _ = inputs
+    _, mask, _, _ = inputs
     ctx.save_for_backward(mask)
 
 
 def _mean_pool_backward_backward(ctx, grad_grad_hidden):
     (mask,) = ctx.saved_tensors
-    return ops.mean_pool(grad_grad_hidden, mask)[0], None, None
+    return ops.mean_pool(grad_grad_hidden, mask)[0], None, None, None
 
 
 # max_pool: the gradient goes to the saved argmax position (int32, -1 for an empty row).
 def _max_pool_setup(ctx, inputs, output):
     hidden, _, normalize = inputs
-    out, argmax, norm = output
+    _, argmax, pooled = output
     ctx.seq_len = hidden.shape[1]
     ctx.mark_non_differentiable(argmax)
-    _save_normalized(ctx, normalize, out, norm, argmax)
+    _save_normalized(ctx, normalize, pooled, argmax)
 
 
-def _max_pool_backward(ctx, grad, _grad_argmax, grad_norm):
+def _max_pool_backward(ctx, grad, _grad_argmax, grad_pooled):
     argmax = ctx.saved_tensors[0]
-    return ops.max_pool_backward(_pooled_grad(ctx, grad, grad_norm), argmax, ctx.seq_len), None, None
+    pooled_grad = _pooled_grad(ctx, grad, grad_pooled).to(grad.dtype)  # moved as is: rounding first is exact
+    return ops.max_pool_backward(pooled_grad, argmax, ctx.seq_len), None, None
 
 
 # max_pool_backward scatters grad_out to the argmax rows; its adjoint gathers from them.
@@ -91,22 +90,23 @@ def _max_pool_backward_backward(ctx, grad_grad_hidden):
 def _landmark_mean_setup(ctx, inputs, output):
     hidden, landmarks, normalize = inputs
     ctx.seq_len = hidden.shape[1]
-    _save_normalized(ctx, normalize, *output, landmarks)
+    _save_normalized(ctx, normalize, output[1], landmarks)
 
 
-def _landmark_mean_backward(ctx, grad, grad_norm):
+def _landmark_mean_backward(ctx, grad, grad_pooled):
     landmarks = ctx.saved_tensors[0]
-    return ops.landmark_mean_backward(_pooled_grad(ctx, grad, grad_norm), landmarks, ctx.seq_len), None, None
+    pooled_grad = _pooled_grad(ctx, grad, grad_pooled)
+    return ops.landmark_mean_backward(pooled_grad, landmarks, ctx.seq_len, grad.dtype), None, None
 
 
 def _landmark_mean_backward_setup(ctx, inputs, output):
-    _, landmarks, _ = inputs
+    _, landmarks, _, _ = inputs
     ctx.save_for_backward(landmarks)
 
 
 def _landmark_mean_backward_backward(ctx, grad_grad_hidden):
     (landmarks,) = ctx.saved_tensors
-    return ops.landmark_mean(grad_grad_hidden, landmarks)[0], None, None
+    return ops.landmark_mean(grad_grad_hidden, landmarks)[0], None, None, None
 
 
 # landmark_gather copies rows out; its backward adds them back (summing repeated positions); each is the

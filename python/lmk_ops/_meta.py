@@ -8,39 +8,45 @@ from ._checks import check_grad, check_hidden, check_landmarks, check_mask, chec
 from ._checks import dtype_name, fail
 
 
-def _norms(hidden, normalize: bool):
-    """The norm output: [B] in the accumulation type with normalize, else empty."""
+def _unnormalized(hidden, normalize: bool):
+    """The second output: [B, D] in the accumulation type with normalize, else empty."""
     wide = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    return hidden.new_empty((hidden.shape[0],) if normalize else (0,), dtype=wide)
+    return hidden.new_empty((hidden.shape[0], hidden.shape[2]) if normalize else (0,), dtype=wide)
 
 
 def _pooled(hidden):
     return hidden.new_empty((hidden.shape[0], hidden.shape[2]))
 
 
-def _unpooled(grad_out, seq_len):
-    return grad_out.new_empty((grad_out.shape[0], seq_len, grad_out.shape[-1]))
+def _unpooled(grad_out, seq_len, dtype=None):
+    return grad_out.new_empty((grad_out.shape[0], seq_len, grad_out.shape[-1]), dtype=dtype or grad_out.dtype)
+
+
+def _check_grad_dtype(op, dtype):
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        fail(op, f"expected dtype float16, bfloat16, float32 or float64, got {dtype_name(dtype)}")
 
 
 @torch.library.register_fake("lmk_ops::mean_pool")
 def _mean_pool_fake(hidden, mask=None, normalize=False):
     check_hidden("mean_pool", hidden)
     check_mask("mean_pool", mask, hidden.shape[0], hidden.shape[1], hidden)
-    return _pooled(hidden), _norms(hidden, normalize)
+    return _pooled(hidden), _unnormalized(hidden, normalize)
 
 
 @torch.library.register_fake("lmk_ops::mean_pool_backward")
-def _mean_pool_backward_fake(grad_out, mask, seq_len):
+def _mean_pool_backward_fake(grad_out, mask, seq_len, dtype=None):
     check_pooled_grad("mean_pool_backward", grad_out)
+    _check_grad_dtype("mean_pool_backward", dtype)
     check_mask("mean_pool_backward", mask, grad_out.shape[0], seq_len, grad_out)
-    return _unpooled(grad_out, seq_len)
+    return _unpooled(grad_out, seq_len, dtype)
 
 
 @torch.library.register_fake("lmk_ops::max_pool")
 def _max_pool_fake(hidden, mask=None, normalize=False):
     check_hidden("max_pool", hidden)
     check_mask("max_pool", mask, hidden.shape[0], hidden.shape[1], hidden)
-    return _pooled(hidden), _pooled(hidden).to(torch.int32), _norms(hidden, normalize)
+    return _pooled(hidden), _pooled(hidden).to(torch.int32), _unnormalized(hidden, normalize)
 
 
 @torch.library.register_fake("lmk_ops::max_pool_backward")
@@ -56,14 +62,15 @@ def _max_pool_backward_fake(grad_out, argmax, seq_len):
 def _landmark_mean_fake(hidden, landmarks, normalize=False):
     check_hidden("landmark_mean", hidden)
     check_landmarks("landmark_mean", landmarks, hidden.shape[0], hidden.shape[1], hidden)
-    return _pooled(hidden), _norms(hidden, normalize)
+    return _pooled(hidden), _unnormalized(hidden, normalize)
 
 
 @torch.library.register_fake("lmk_ops::landmark_mean_backward")
-def _landmark_mean_backward_fake(grad_out, landmarks, seq_len):
+def _landmark_mean_backward_fake(grad_out, landmarks, seq_len, dtype=None):
     check_pooled_grad("landmark_mean_backward", grad_out)
+    _check_grad_dtype("landmark_mean_backward", dtype)
     check_landmarks("landmark_mean_backward", landmarks, grad_out.shape[0], seq_len, grad_out)
-    return _unpooled(grad_out, seq_len)
+    return _unpooled(grad_out, seq_len, dtype)
 
 
 @torch.library.register_fake("lmk_ops::landmark_gather")

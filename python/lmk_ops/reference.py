@@ -18,7 +18,8 @@ def _valid(hidden: Tensor, mask: Tensor | None) -> Tensor:
 
 
 def _maybe_normalize(out: Tensor, normalize: bool) -> Tensor:
-    return F.normalize(out, dim=-1) if normalize else out
+    # F.normalize's eps (1e-12) is 0 in float16, where a zero row would become 0/0 = NaN: keep eps representable.
+    return F.normalize(out, dim=-1, eps=max(1e-12, torch.finfo(out.dtype).tiny)) if normalize else out
 
 
 def mean_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False) -> Tensor:

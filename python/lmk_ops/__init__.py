@@ -10,6 +10,7 @@ _C = load_extension()
 
 from . import _autograd, _meta  # noqa: E402,F401  (register fake kernels and autograd with the dispatcher)
 from . import reference  # noqa: E402,F401
+from .landmarks import LandmarkBatch, insert_landmarks, sample_intervals  # noqa: E402
 from .ops import landmark_gather, landmark_mean, landmark_positions, max_pool, mean_pool  # noqa: E402
 
 __version__: str = _C.build_info()["version"]
@@ -26,6 +27,6 @@ def build_info() -> dict:
 
 
 __all__ = [
-    "__version__", "build_info", "landmark_gather", "landmark_mean", "landmark_positions", "max_pool", "mean_pool",
+    "LandmarkBatch", "__version__", "build_info", "insert_landmarks", "sample_intervals", "landmark_gather", "landmark_mean", "landmark_positions", "max_pool", "mean_pool",
     "reference",
 ]

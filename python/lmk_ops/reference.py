@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["landmark_gather", "landmark_mean", "max_pool", "mean_pool"]
+__all__ = ["insert_landmarks", "landmark_gather", "landmark_mean", "max_pool", "mean_pool"]
 
 
 def _valid(hidden: Tensor, mask: Tensor | None) -> Tensor:
@@ -70,3 +70,48 @@ def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False)
     gathered, valid = landmark_gather(hidden, landmarks)
     count = valid.sum(dim=1, keepdim=True).clamp(min=1).to(hidden.dtype)
     return _maybe_normalize(gathered.sum(dim=1) / count, normalize)
+
+
+def insert_landmarks(input_ids: Tensor, attention_mask: Tensor | None = None, *, landmark_id: int, interval=32,
+                     sentence_ends: Tensor | None = None, max_length: int | None = None, num_leading: int = 1,
+                     num_trailing: int = 1, keep_trailing: bool = False, pad_id: int = 0,
+                     padding_side: str | None = None):
+    """lmk_ops.insert_landmarks row by row, in plain Python: returns (input_ids, attention_mask, landmark_mask)."""
+    valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    if padding_side is None:
+        padding_side = "left" if bool((~valid[:, 0] & valid[:, -1]).any()) else "right"
+    rows = []
+    for b in range(input_ids.shape[0]):
+        ids = input_ids[b][valid[b]].tolist()
+        lead, rest = ids[:num_leading], ids[num_leading:]
+        cut = len(rest) - min(num_trailing, len(rest))
+        content, trail = rest[:cut], rest[cut:]
+        every = int(interval[b]) if isinstance(interval, Tensor) else interval
+        sentence = sentence_ends[b][valid[b]].tolist()[len(lead):] if sentence_ends is not None else None
+        body, flags = list(lead), [False] * len(lead)
+        for i, token in enumerate(content):
+            body.append(token)
+            flags.append(False)
+            end = sentence[i] if sentence is not None else (i + 1) % every == 0
+            if end or i == len(content) - 1:
+                body.append(landmark_id)
+                flags.append(True)
+        if not content:
+            body.append(landmark_id)
+            flags.append(True)
+        tail = trail if keep_trailing else []
+        if max_length is not None and len(body) + len(tail) > max_length:
+            body, flags = body[: max_length - len(tail)], flags[: max_length - len(tail)]
+            if not any(flags):
+                body[-1], flags[-1] = landmark_id, True
+        rows.append((body + tail, flags + [False] * len(tail)))
+    width = max((len(ids) for ids, _ in rows), default=0)
+    out_ids = torch.full((len(rows), width), pad_id, dtype=input_ids.dtype)
+    out_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    out_landmarks = torch.zeros((len(rows), width), dtype=torch.bool)
+    for b, (ids, flags) in enumerate(rows):
+        span = slice(width - len(ids), width) if padding_side == "left" else slice(0, len(ids))
+        out_ids[b, span] = torch.tensor(ids, dtype=input_ids.dtype)
+        out_mask[b, span] = 1
+        out_landmarks[b, span] = torch.tensor(flags, dtype=torch.bool)
+    return out_ids, out_mask, out_landmarks

@@ -1,0 +1,189 @@
+"""Landmark insertion for token batches (the LMK layout of arXiv 2601.21525).
+
+A text tokenized as ``[CLS] t1 ... tn [SEP]`` becomes ``[CLS] z1 [LMK] z2 [LMK] ... zk [LMK]``: a landmark after every
+chunk of ``interval`` content tokens, the last (shorter) chunk included. The leading special tokens stay in front and
+are not chunked; the trailing ones (``[SEP]``) are dropped, since the final landmark closes the text, or kept after
+it with ``keep_trailing=True``. Either way they are never marked as landmarks, even when the landmark id is the SEP id:
+the returned ``landmark_mask`` says which tokens are landmarks, so nothing downstream has to match ids.
+
+Everything is vectorised over the batch: each content token's new position is its old one plus the number of
+chunk ends before it (a cumulative sum), and one scatter writes the new batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["LandmarkBatch", "insert_landmarks", "sample_intervals"]
+
+PAPER_TRAINING_INTERVALS = (32, 64, 128, 256)
+
+
+@dataclass
+class LandmarkBatch:
+    """A token batch with landmarks: ``[B, L']`` tensors on the input's device."""
+
+    input_ids: Tensor  # int64, pad_id where attention_mask is 0
+    attention_mask: Tensor  # int64 0/1, as Hugging Face models take it
+    landmark_mask: Tensor  # bool, True at landmark tokens only
+
+    def model_inputs(self) -> dict[str, Tensor]:
+        """The keyword arguments for a Hugging Face model: ``input_ids`` and ``attention_mask``."""
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+
+
+def sample_intervals(batch: int, choices: Sequence[int] = PAPER_TRAINING_INTERVALS, *,
+                     generator: torch.Generator | None = None) -> Tensor:
+    """Training mode: one interval per row, drawn uniformly from ``choices`` (the paper's {32, 64, 128, 256}).
+
+    Pass a seeded ``torch.Generator`` for reproducible runs. Returns int64 ``[batch]`` on the CPU.
+    """
+    options = torch.as_tensor(list(choices), dtype=torch.long)
+    if options.dim() != 1 or options.numel() == 0 or bool((options < 1).any()):
+        raise ValueError(f"lmk_ops.sample_intervals: expected a non-empty list of intervals >= 1, got {list(choices)}")
+    return options[torch.randint(len(options), (batch,), generator=generator)]
+
+
+def _fail(message: str) -> None:
+    raise ValueError(f"lmk_ops.insert_landmarks: {message}")
+
+
+def _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leading, num_trailing, max_length,
+                  padding_side):
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        _fail(f"expected input_ids as an integer tensor [B, L], got {getattr(input_ids, 'dtype', type(input_ids))} "
+              f"of shape {list(getattr(input_ids, 'shape', []))}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        _fail(f"expected attention_mask of shape {list(input_ids.shape)} (as input_ids), got {list(attention_mask.shape)}")
+    if attention_mask is not None and bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        _fail("expected attention_mask values 0 or 1")
+    if sentence_ends is not None and sentence_ends.shape != input_ids.shape:
+        _fail(f"expected sentence_ends of shape {list(input_ids.shape)} (as input_ids), got {list(sentence_ends.shape)}")
+    if isinstance(interval, Tensor):
+        if interval.shape != (input_ids.shape[0],) or bool((interval < 1).any()):
+            _fail(f"expected per-row intervals as a [B] = [{input_ids.shape[0]}] tensor of values >= 1, "
+                  f"got {interval.tolist()}")
+    elif not isinstance(interval, int) or interval < 1:
+        _fail(f"expected interval >= 1 (an int, or a [B] tensor per row), got {interval!r}")
+    if num_leading < 0 or num_trailing < 0:
+        _fail(f"expected num_leading and num_trailing >= 0, got {num_leading} and {num_trailing}")
+    if padding_side not in (None, "left", "right"):
+        _fail(f"expected padding_side 'left', 'right' or None (as the input), got {padding_side!r}")
+    if max_length is not None and max_length < 1:
+        _fail(f"expected max_length >= 1 or None, got {max_length}")
+
+
+def insert_landmarks(
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    landmark_id: int,
+    interval: int | Tensor = 32,
+    sentence_ends: Tensor | None = None,
+    max_length: int | None = None,
+    num_leading: int = 1,
+    num_trailing: int = 1,
+    keep_trailing: bool = False,
+    pad_id: int = 0,
+    padding_side: str | None = None,
+) -> LandmarkBatch:
+    """Puts a landmark token after every chunk of each text, on a left- or right-padded batch.
+
+    Args:
+        input_ids: ``[B, L]`` integer token ids as a tokenizer returns them (with its special tokens).
+        attention_mask: ``[B, L]`` 0/1 (or bool); ``None`` means no padding. Padding may be on either side.
+        landmark_id: the token id of the landmark (a new ``[LMK]`` token, or a reused special such as SEP).
+        interval: content tokens per chunk: an int, or a ``[B]`` tensor of per-row intervals (training mode, see
+            :func:`sample_intervals`).
+        sentence_ends: instead of fixed chunks, a ``[B, L]`` bool tensor marking the last token of each sentence:
+            a landmark goes after each marked content token (and after the last content token, always).
+        max_length: truncate to this many tokens after inserting; if no landmark survives, the last kept
+            position becomes one (its id replaced by ``landmark_id``).
+        num_leading: special tokens at the start of each text (``[CLS]``), kept in front and not chunked.
+        num_trailing: special tokens at the end of each text (``[SEP]``): dropped, or kept after the final
+            landmark with ``keep_trailing`` (never marked as landmarks; truncation keeps them at the end).
+        pad_id: id written at padding positions.
+        padding_side: of the output; ``None`` keeps the input's (left if a row is padded at the front).
+
+    Returns:
+        :class:`LandmarkBatch` with ``input_ids``, ``attention_mask`` (int64) and ``landmark_mask`` (bool), as long
+        as the longest new row. An empty text (no content tokens) becomes ``[CLS][LMK]``.
+
+    Raises:
+        ValueError: starting ``lmk_ops.insert_landmarks:`` for inputs of the wrong shape or values, or a
+        ``max_length`` too short to hold the kept special tokens and one landmark.
+    """
+    _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leading, num_trailing, max_length,
+                  padding_side)
+    device = input_ids.device
+    batch, seq_len = input_ids.shape
+    valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    if padding_side is None:
+        padding_side = "left" if bool((~valid[:, 0] & valid[:, -1]).any()) else "right"
+
+    # Each valid token's rank r within its text; specials at either end, content in between (c = its index).
+    rank = valid.cumsum(1) - 1
+    length = valid.sum(1, keepdim=True)
+    num_lead = length.clamp(max=num_leading)  # a row shorter than num_leading has only those
+    num_content = (length - num_leading - num_trailing).clamp(min=0)
+    lead = valid & (rank < num_leading)
+    content = valid & (rank >= num_leading) & (rank < num_leading + num_content)
+    trail = valid & ~lead & ~content
+    c = rank - num_leading
+
+    # A chunk ends after content token c when the interval says so, at a sentence end, or at the last token.
+    if sentence_ends is not None:
+        ends = sentence_ends.to(device=device, dtype=torch.bool)
+    else:
+        per_row = torch.as_tensor(interval, device=device).reshape(-1, 1)
+        ends = (c + 1) % per_row == 0
+    ends = content & (ends | (c == num_content - 1))
+    ends_before = ends.cumsum(1) - ends.long()  # chunk ends strictly before each token of the text
+    empty = num_content == 0  # an empty text still gets one landmark, right after the leading specials
+    num_landmarks = ends.sum(1, keepdim=True) + empty.long()
+
+    # Positions in the new row, before truncation.
+    body_length = num_lead + num_content + num_landmarks
+    position = torch.where(content, rank + ends_before, rank)
+    landmark_position = position + 1  # for tokens that end a chunk
+    trailing_count = (length - num_lead - num_content) if keep_trailing else torch.zeros_like(length)
+
+    # Truncation: the body is cut so that body + kept trailing tokens fit; trailing tokens stay at the end.
+    body_limit = body_length
+    if max_length is not None:
+        room = max_length - trailing_count
+        if bool((room < num_lead + 1).any()):
+            _fail(f"expected max_length >= {num_leading} leading + {num_trailing if keep_trailing else 0} trailing "
+                  f"special tokens + 1 landmark, got max_length = {max_length}")
+        body_limit = torch.minimum(body_length, room)
+    row_length = body_limit + trailing_count
+    trail_position = body_limit + (rank - num_lead - num_content)
+
+    width = int(row_length.max()) if batch else 0
+    offset = (width - row_length) if padding_side == "left" else torch.zeros_like(row_length)
+    rows = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq_len)
+
+    out_ids = torch.full((batch, width), pad_id, dtype=input_ids.dtype, device=device)
+    out_landmarks = torch.zeros((batch, width), dtype=torch.bool, device=device)
+    keep_token = (lead | content) & (position < body_limit)
+    out_ids[rows[keep_token], (position + offset)[keep_token]] = input_ids[keep_token]
+    if keep_trailing:
+        out_ids[rows[trail], (trail_position + offset)[trail]] = input_ids[trail]
+    keep_landmark = ends & (landmark_position < body_limit)
+    out_landmarks[rows[keep_landmark], (landmark_position + offset)[keep_landmark]] = True
+    empty_rows = empty.squeeze(1)
+    out_landmarks[empty_rows, (num_lead + offset).squeeze(1)[empty_rows]] = True
+
+    # A row whose landmarks were all cut: its last kept body position becomes the landmark.
+    none_left = ~(keep_landmark.any(1) | empty_rows)
+    last_body = (body_limit.squeeze(1) - 1 + offset.squeeze(1))[none_left]
+    out_landmarks[none_left.nonzero().squeeze(1), last_body] = True
+    out_ids[out_landmarks] = landmark_id
+
+    positions = torch.arange(width, device=device)
+    out_mask = (positions >= offset) & (positions < offset + row_length)
+    return LandmarkBatch(out_ids, out_mask.long(), out_landmarks)

@@ -31,6 +31,12 @@ class LandmarkBatch:
     attention_mask: Tensor  # int64 0/1, as Hugging Face models take it
     landmark_mask: Tensor  # bool, True at landmark tokens only
 
+    def __getitem__(self, key: str) -> Tensor:  # batch["landmark_mask"], as with a Hugging Face BatchEncoding
+        return getattr(self, key)
+
+    def keys(self):
+        return ("input_ids", "attention_mask", "landmark_mask")
+
     def model_inputs(self) -> dict[str, Tensor]:
         """The keyword arguments for a Hugging Face model: ``input_ids`` and ``attention_mask``."""
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}

@@ -6,7 +6,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["landmark_gather", "landmark_mean", "landmark_positions", "max_pool", "mean_pool"]
+from ._checks import check_hidden, check_mask, fail
+
+__all__ = [
+    "first_token_pool", "landmark_gather", "landmark_mean", "landmark_positions", "last_token_pool", "max_pool",
+    "mean_pool",
+]
 
 _NORMALIZE_DOC = """normalize: L2-normalise each output vector inside the op (forward and backward), as
             ``torch.nn.functional.normalize(out, dim=-1)`` would, but from the float32 result before it is rounded to
@@ -131,3 +136,39 @@ def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | N
 
 for _fn in (mean_pool, max_pool, landmark_mean):
     _fn.__doc__ = _fn.__doc__.replace("{normalize}", _NORMALIZE_DOC)
+
+
+def _token_positions(op: str, hidden: Tensor, mask: Tensor | None, last: bool) -> Tensor:
+    """int64 [B, 1]: the first (or last) valid position of each text, -1 for a text with none."""
+    check_hidden(op, hidden)
+    batch, seq_len = hidden.shape[0], hidden.shape[1]
+    if mask is None:
+        valid = torch.ones(batch, seq_len, dtype=torch.bool, device=hidden.device)
+    else:
+        check_mask(op, mask, batch, seq_len, hidden)
+        if not mask.dtype == torch.bool and not torch.compiler.is_compiling() and bool(((mask < 0) | (mask > 1)).any()):
+            fail(op, "expected mask values 0 or 1")
+        valid = mask != 0
+    order = valid.flip(1) if last else valid
+    found = order.to(torch.uint8).argmax(1) if seq_len else torch.zeros(batch, dtype=torch.long, device=hidden.device)
+    position = seq_len - 1 - found if last else found
+    return torch.where(valid.any(1), position, -1).unsqueeze(1)
+
+
+def first_token_pool(hidden: Tensor, mask: Tensor | None = None) -> Tensor:
+    """The state of each text's first valid token (CLS pooling), whatever the padding side.
+
+    Args and errors as :func:`mean_pool`. Returns ``[B, D]``; a text with no valid token gives zeros. The
+    gradient goes to that one token.
+    """
+    positions = _token_positions("first_token_pool", hidden, mask, last=False)
+    return torch.ops.lmk_ops.landmark_gather(hidden, positions).squeeze(1)
+
+
+def last_token_pool(hidden: Tensor, mask: Tensor | None = None) -> Tensor:
+    """The state of each text's last valid token (as decoder embedding models pool), whatever the padding side.
+
+    Args and errors as :func:`mean_pool`. Returns ``[B, D]``; a text with no valid token gives zeros.
+    """
+    positions = _token_positions("last_token_pool", hidden, mask, last=True)
+    return torch.ops.lmk_ops.landmark_gather(hidden, positions).squeeze(1)

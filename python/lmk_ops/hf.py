@@ -1,0 +1,129 @@
+"""Landmark tokenization for any Hugging Face tokenizer (``transformers``): texts in, a batch with a landmark mask
+out. Tokenizes without truncation, inserts the landmarks, then truncates (as the LMK paper prescribes)."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .landmarks import PAPER_TRAINING_INTERVALS, LandmarkBatch, insert_landmarks, sample_intervals
+
+__all__ = ["PAPER_TRAINING_INTERVALS", "add_landmark_token", "landmark_token_id", "simple_sentence_ends", "special_token_layout",
+           "tokenize_with_landmarks"]
+
+def special_token_layout(tokenizer) -> tuple[int, int]:
+    """How many special tokens the tokenizer puts before and after a single text: (1, 1) for BERT's [CLS] ... [SEP],
+    (1, 0) for a BOS-only tokenizer, (0, 1) for T5's ... </s>. Found by encoding a probe with and without them."""
+    probe = "landmark probe"
+    plain = tokenizer.encode(probe, add_special_tokens=False)
+    full = tokenizer.encode(probe)
+    for leading in range(len(full) - len(plain) + 1):
+        if full[leading:leading + len(plain)] == plain:
+            return leading, len(full) - leading - len(plain)
+    raise ValueError(f"lmk_ops.hf: cannot find where {type(tokenizer).__name__} puts its special tokens")
+
+
+def add_landmark_token(tokenizer, token: str = "[LMK]") -> int:
+    """Adds ``token`` to the tokenizer as a special token (if it is not there yet) and returns its id.
+
+    A new token needs a row in the model's embedding table: call ``model.resize_token_embeddings(len(tokenizer))``
+    before running the model (a warning says so), and fine-tune, since the new row starts untrained.
+    """
+    if token not in tokenizer.get_vocab():
+        tokenizer.add_tokens([token], special_tokens=True)
+        warnings.warn(f"lmk_ops: added the landmark token {token!r} to the tokenizer as id "
+                      f"{tokenizer.convert_tokens_to_ids(token)}; resize the model's embeddings before running it: "
+                      f"model.resize_token_embeddings(len(tokenizer)) (the new row is untrained: fine-tune, or reuse "
+                      f"an existing token such as the SEP token instead)", stacklevel=2)
+    return tokenizer.convert_tokens_to_ids(token)
+
+
+def landmark_token_id(tokenizer, landmark_token: str | None = None) -> int:
+    """The id of ``landmark_token`` (which must be in the vocabulary), or when None the tokenizer's SEP token,
+    falling back to EOS (the paper's default: reuse an existing special token)."""
+    if landmark_token is None:
+        found = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
+        if found is None:
+            raise ValueError("lmk_ops.hf: the tokenizer has neither a SEP nor an EOS token; name a landmark_token "
+                             "(add one with lmk_ops.hf.add_landmark_token)")
+        return found
+    if landmark_token not in tokenizer.get_vocab():
+        raise ValueError(f"lmk_ops.hf: expected the landmark token {landmark_token!r} in the tokenizer's vocabulary; "
+                         "add it with lmk_ops.hf.add_landmark_token(tokenizer, token)")
+    return tokenizer.convert_tokens_to_ids(landmark_token)
+
+
+def simple_sentence_ends(text: str) -> list[int]:
+    """Character offsets just after each sentence: after '.', '!' or '?' followed by whitespace, and at the end."""
+    ends = [m.end() for m in re.finditer(r"[.!?]+(?=\s)", text)]
+    return ends + [len(text)] if text.strip() and (not ends or ends[-1] < len(text.rstrip())) else ends
+
+
+def _sentence_end_flags(offsets: torch.Tensor, attention_mask: torch.Tensor, ends: Sequence[Sequence[int]]):
+    """bool [B, L]: the last token starting before each sentence's end offset (special tokens have (0, 0))."""
+    flags = torch.zeros(attention_mask.shape, dtype=torch.bool)
+    content = (offsets[..., 1] > offsets[..., 0]) & attention_mask.bool()
+    for b, text_ends in enumerate(ends):
+        for end in text_ends:
+            before = (content[b] & (offsets[b, :, 0] < end)).nonzero()
+            if len(before):
+                flags[b, before[-1, 0]] = True
+    return flags
+
+
+def tokenize_with_landmarks(
+    tokenizer,
+    texts: Sequence[str],
+    *,
+    landmark_token: str | None = None,
+    interval: int = 32,
+    training_intervals: Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+    sentence_ends: Sequence[Sequence[int]] | Callable[[str], Sequence[int]] | None = None,
+    max_length: int | None = None,
+) -> LandmarkBatch:
+    """Tokenizes ``texts`` and lays them out for LMK pooling.
+
+    Args:
+        tokenizer: any Hugging Face tokenizer (a fast one for ``sentence_ends``).
+        landmark_token: the landmark token (see :func:`landmark_token_id`; None reuses SEP, else EOS).
+        interval: content tokens per chunk (the paper uses 32 at inference).
+        training_intervals: training mode: each text's interval drawn from these (the paper: (32, 64, 128, 256))
+            with ``generator`` (seed it for reproducible runs); ``lmk_ops.hf.PAPER_TRAINING_INTERVALS`` holds them.
+        sentence_ends: sentence placement instead of fixed chunks: per text, the character offsets where its
+            sentences end, or a callable giving them for a text (e.g. :func:`simple_sentence_ends`).
+        max_length: tokens per text after insertion; default the tokenizer's ``model_max_length``.
+
+    Returns:
+        :class:`lmk_ops.LandmarkBatch` (``input_ids``, ``attention_mask``, ``landmark_mask``), padded on the
+        tokenizer's padding side. Pass ``batch.model_inputs()`` to the model and ``batch`` to
+        :class:`lmk_ops.nn.Pooling`.
+    """
+    texts = list(texts)
+    if max_length is None and getattr(tokenizer, "model_max_length", None) and tokenizer.model_max_length < 10**6:
+        max_length = tokenizer.model_max_length
+    want_offsets = sentence_ends is not None
+    encoded = tokenizer(texts, padding=True, truncation=False, return_tensors="pt", verbose=False,
+                        return_offsets_mapping=want_offsets)
+    leading, trailing = special_token_layout(tokenizer)
+    per_text_ends = None
+    if want_offsets:
+        per_text_ends = [sentence_ends(t) for t in texts] if callable(sentence_ends) else sentence_ends
+        if len(per_text_ends) != len(texts):
+            raise ValueError(f"lmk_ops.hf: expected sentence_ends for each of the {len(texts)} texts, "
+                             f"got {len(per_text_ends)}")
+    every = interval
+    if training_intervals is not None:
+        every = sample_intervals(len(texts), training_intervals, generator=generator)
+    flags = _sentence_end_flags(encoded["offset_mapping"], encoded["attention_mask"], per_text_ends) \
+        if want_offsets else None
+    return insert_landmarks(
+        encoded["input_ids"], encoded["attention_mask"], landmark_id=landmark_token_id(tokenizer, landmark_token),
+        interval=every, sentence_ends=flags, max_length=max_length, num_leading=leading, num_trailing=trailing,
+        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        padding_side=getattr(tokenizer, "padding_side", "right"),
+    )
+

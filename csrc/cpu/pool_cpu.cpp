@@ -1,5 +1,4 @@
 // CPU implementations of mean_pool and max_pool: check inputs, allocate outputs, hand off to the vectorised kernels.
-#include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
@@ -53,12 +52,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> max_pool(
     argmax = at::empty({batch, dim}, hidden.options().dtype(at::kInt));
     pool_kernels().max_forward(hidden, rows, out, argmax);
   }
-  if (normalize) {
-    // The maxima are input values, exact in hidden's dtype: normalising them afterwards loses nothing.
-    auto [normalized, pooled] = normalize_pooled(out, hidden.scalar_type());
-    return {normalized, argmax, pooled};
-  }
-  return {out, argmax, at::empty({0}, hidden.options().dtype(at::toOpMathType(hidden.scalar_type())))};
+  // The maxima are input values, exact in hidden's dtype: normalising them afterwards loses nothing.
+  auto [finished, pooled] = finish_pooled(out, hidden.scalar_type(), normalize);
+  return {finished, argmax, pooled};
 }
 
 at::Tensor max_pool_backward(const at::Tensor& grad, const at::Tensor& argmax, int64_t seq_len) {

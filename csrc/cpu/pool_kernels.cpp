@@ -21,8 +21,8 @@ using acc_t = at::opmath_type<scalar_t>;  // float for half/bfloat16/float, doub
 
 // Work split for the forward kernels: tasks are (text b, block of features [d0, d0 + n)). Each task walks its
 // text's selected rows (increasing l, or the listed order) and reduces the block into an accumulator on its
-// stack, so every element's result depends only on that text's data, in a fixed order: a text pools to the same bits alone or in a batch,
-// whatever the thread count. Blocks are whole rows when there are enough texts to occupy every thread, and are
+// stack, so every element's result depends only on that text's data, in a fixed order: a text pools to the same
+// bits alone or in a batch, whatever the thread count. Blocks are whole rows when there are enough texts to occupy every thread, and are
 // split (down to kMinBlock, which keeps each row read a long contiguous run for the prefetcher) when B is small.
 constexpr int64_t kMaxBlock = 1024;
 constexpr int64_t kMinBlock = 256;

@@ -18,7 +18,10 @@ bool is_empty_pool(const at::Tensor& hidden) {
   return hidden.size(0) == 0 || hidden.size(1) == 0 || hidden.size(2) == 0;
 }
 
-std::tuple<at::Tensor, at::Tensor> normalize_pooled(const at::Tensor& pooled, at::ScalarType dtype) {
+std::tuple<at::Tensor, at::Tensor> finish_pooled(const at::Tensor& pooled, at::ScalarType dtype, bool normalize) {
+  if (!normalize) {
+    return {pooled, at::empty({0}, pooled.options().dtype(at::toOpMathType(dtype)))};
+  }
   at::Tensor wide = pooled.to(at::toOpMathType(dtype));
   const at::Tensor norm = at::linalg_vector_norm(wide, 2, {1}, /*keepdim=*/true);
   at::Tensor out = wide.div(norm.clamp_min(1e-12)).to(dtype);
@@ -36,10 +39,7 @@ std::tuple<at::Tensor, at::Tensor> mean_of_rows(const at::Tensor& hidden, const 
     out = at::empty({batch, dim}, hidden.options().dtype(out_type));
     pool_kernels().mean_forward(hidden, rows, out);
   }
-  if (normalize) {
-    return normalize_pooled(out, hidden.scalar_type());
-  }
-  return {out, at::empty({0}, hidden.options().dtype(at::toOpMathType(hidden.scalar_type())))};
+  return finish_pooled(out, hidden.scalar_type(), normalize);
 }
 
 namespace {

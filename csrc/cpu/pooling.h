@@ -10,12 +10,13 @@ namespace lmk_ops::cpu {
 
 bool is_empty_pool(const at::Tensor& hidden);
 
-// L2-normalises pooled [B, D] rows as torch.nn.functional.normalize does (divide by max(norm, 1e-12)), in the
-// accumulation type. Returns (rows in dtype, pooled in the accumulation type).
-std::tuple<at::Tensor, at::Tensor> normalize_pooled(const at::Tensor& pooled, at::ScalarType dtype);
+// The pooling ops' (out, pooled) pair. With normalize: pooled [B, D] rows L2-normalised as
+// torch.nn.functional.normalize does (divide by max(norm, 1e-12)) in the accumulation type, rounded to dtype, and the
+// unrounded rows themselves. Without: the rows as they are, and an empty tensor of the accumulation type.
+std::tuple<at::Tensor, at::Tensor> finish_pooled(const at::Tensor& pooled, at::ScalarType dtype, bool normalize);
 
 // The mean of each text's selected rows, [B, D] in hidden's dtype (zeros for a text with none); with normalize,
-// normalized as normalize_pooled does, and the unrounded means (an empty tensor without).
+// normalized as finish_pooled does, and the unrounded means (an empty tensor without).
 std::tuple<at::Tensor, at::Tensor> mean_of_rows(const at::Tensor& hidden, const RowSelection& rows, bool normalize);
 
 // The gradient of mean_of_rows: each selected row of text b gets grad[b] * times_selected / count[b], every other

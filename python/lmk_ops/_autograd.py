@@ -2,8 +2,8 @@
 (double backward), so gradcheck, gradgradcheck and higher-order uses work.
 
 The pooling ops fuse an optional L2 normalisation. Their backward first maps the gradient of the normalised output
-(and of the unnormalised second output) to the gradient of the pooled vector before normalising: [B, D] arithmetic in the
-accumulation type, written with ATen ops so that it is differentiable too. The single pass that writes the
+(and of the unnormalised second output) to the gradient of the pooled vector before normalising: [B, D]
+arithmetic in the accumulation type, written with ATen ops so that it is differentiable too. The single pass that writes the
 [B, L, D] gradient is the backward operator.
 """
 
@@ -21,7 +21,7 @@ def _pooled_grad(ctx, grad, grad_pooled):
     output (m itself, unrounded, saved with normalize). With normalize it stays in the accumulation type."""
     if not ctx.normalize:
         return grad
-    (m,) = ctx.saved_tensors[-1:]
+    m = ctx.saved_tensors[-1]
     n = torch.linalg.vector_norm(m, dim=1, keepdim=True)
     y, g = m / n.clamp_min(_EPS), grad.to(m.dtype)
     # Above eps, out = m / |m|: project out the component along out. At or below it the divisor is the constant eps.

@@ -59,6 +59,11 @@ def check_grad(op: str, grad: torch.Tensor, dims: int, shape: str) -> None:
         fail(op, f"expected grad_out of dtype float16, bfloat16, float32 or float64, got {dtype_name(grad.dtype)}")
 
 
+def check_grad_dtype(op: str, dtype: torch.dtype | None) -> None:
+    if dtype is not None and dtype not in _FLOATS:
+        fail(op, f"expected dtype float16, bfloat16, float32 or float64, got {dtype_name(dtype)}")
+
+
 def check_positions(op: str, positions: torch.Tensor, batch, like: torch.Tensor) -> None:
     if positions.device != like.device:
         fail(op, f"expected landmarks on the same device as hidden ({like.device}), got {positions.device}")

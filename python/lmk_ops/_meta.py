@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_grad, check_hidden, check_landmarks, check_mask, check_pooled_grad, check_positions
+from ._checks import check_grad, check_grad_dtype, check_hidden, check_landmarks, check_mask, check_pooled_grad, check_positions
 from ._checks import dtype_name, fail
 
 
@@ -22,11 +22,6 @@ def _unpooled(grad_out, seq_len, dtype=None):
     return grad_out.new_empty((grad_out.shape[0], seq_len, grad_out.shape[-1]), dtype=dtype or grad_out.dtype)
 
 
-def _check_grad_dtype(op, dtype):
-    if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        fail(op, f"expected dtype float16, bfloat16, float32 or float64, got {dtype_name(dtype)}")
-
-
 @torch.library.register_fake("lmk_ops::mean_pool")
 def _mean_pool_fake(hidden, mask=None, normalize=False):
     check_hidden("mean_pool", hidden)
@@ -37,7 +32,7 @@ def _mean_pool_fake(hidden, mask=None, normalize=False):
 @torch.library.register_fake("lmk_ops::mean_pool_backward")
 def _mean_pool_backward_fake(grad_out, mask, seq_len, dtype=None):
     check_pooled_grad("mean_pool_backward", grad_out)
-    _check_grad_dtype("mean_pool_backward", dtype)
+    check_grad_dtype("mean_pool_backward", dtype)
     check_mask("mean_pool_backward", mask, grad_out.shape[0], seq_len, grad_out)
     return _unpooled(grad_out, seq_len, dtype)
 
@@ -68,7 +63,7 @@ def _landmark_mean_fake(hidden, landmarks, normalize=False):
 @torch.library.register_fake("lmk_ops::landmark_mean_backward")
 def _landmark_mean_backward_fake(grad_out, landmarks, seq_len, dtype=None):
     check_pooled_grad("landmark_mean_backward", grad_out)
-    _check_grad_dtype("landmark_mean_backward", dtype)
+    check_grad_dtype("landmark_mean_backward", dtype)
     check_landmarks("landmark_mean_backward", landmarks, grad_out.shape[0], seq_len, grad_out)
     return _unpooled(grad_out, seq_len, dtype)
 

@@ -11,7 +11,7 @@ import torch
 
 from .landmarks import PAPER_TRAINING_INTERVALS, LandmarkBatch, insert_landmarks, sample_intervals
 
-__all__ = ["PAPER_TRAINING_INTERVALS", "add_landmark_token", "landmark_token_id", "simple_sentence_ends", "special_token_layout",
+__all__ = ["PAPER_TRAINING_INTERVALS", "add_landmark_token", "insert_for_tokenizer", "landmark_token_id", "simple_sentence_ends", "special_token_layout",
            "tokenize_with_landmarks"]
 
 def special_token_layout(tokenizer) -> tuple[int, int]:
@@ -54,6 +54,18 @@ def landmark_token_id(tokenizer, landmark_token: str | None = None) -> int:
         raise ValueError(f"lmk_ops.hf: expected the landmark token {landmark_token!r} in the tokenizer's vocabulary; "
                          "add it with lmk_ops.hf.add_landmark_token(tokenizer, token)")
     return tokenizer.convert_tokens_to_ids(landmark_token)
+
+
+def insert_for_tokenizer(tokenizer, input_ids, attention_mask, *, landmark_id: int,
+                         layout: tuple[int, int] | None = None, **options) -> LandmarkBatch:
+    """:func:`lmk_ops.insert_landmarks` on a batch this tokenizer made: its special-token layout (``layout``, when
+    already known, else :func:`special_token_layout`), pad id and padding side. ``options``: interval, max_length,
+    sentence_ends."""
+    leading, trailing = layout if layout is not None else special_token_layout(tokenizer)
+    return insert_landmarks(
+        input_ids, attention_mask, landmark_id=landmark_id, num_leading=leading, num_trailing=trailing,
+        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        padding_side=getattr(tokenizer, "padding_side", "right"), **options)
 
 
 def simple_sentence_ends(text: str) -> list[int]:
@@ -108,7 +120,6 @@ def tokenize_with_landmarks(
     want_offsets = sentence_ends is not None
     encoded = tokenizer(texts, padding=True, truncation=False, return_tensors="pt", verbose=False,
                         return_offsets_mapping=want_offsets)
-    leading, trailing = special_token_layout(tokenizer)
     per_text_ends = None
     if want_offsets:
         per_text_ends = [sentence_ends(t) for t in texts] if callable(sentence_ends) else sentence_ends
@@ -120,10 +131,7 @@ def tokenize_with_landmarks(
         every = sample_intervals(len(texts), training_intervals, generator=generator)
     flags = _sentence_end_flags(encoded["offset_mapping"], encoded["attention_mask"], per_text_ends) \
         if want_offsets else None
-    return insert_landmarks(
-        encoded["input_ids"], encoded["attention_mask"], landmark_id=landmark_token_id(tokenizer, landmark_token),
-        interval=every, sentence_ends=flags, max_length=max_length, num_leading=leading, num_trailing=trailing,
-        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-        padding_side=getattr(tokenizer, "padding_side", "right"),
-    )
+    return insert_for_tokenizer(tokenizer, encoded["input_ids"], encoded["attention_mask"],
+                                landmark_id=landmark_token_id(tokenizer, landmark_token), interval=every,
+                                sentence_ends=flags, max_length=max_length)
 

@@ -154,7 +154,7 @@ def insert_landmarks(
 
     # Positions in the new row, before truncation.
     body_length = num_lead + num_content + num_landmarks
-    position = torch.where(content, rank + ends_before, rank)
+    position = rank + ends_before  # leading tokens have no chunk end before them
     landmark_position = position + 1  # for tokens that end a chunk
     trailing_count = (length - num_lead - num_content) if keep_trailing else torch.zeros_like(length)
 

@@ -18,8 +18,7 @@ import torch
 from sentence_transformers.base.modules.module import Module
 from sentence_transformers.base.modules.transformer import Transformer
 
-from .hf import landmark_token_id, special_token_layout
-from .landmarks import insert_landmarks
+from .hf import insert_for_tokenizer, landmark_token_id, special_token_layout
 from .nn import Pooling
 
 __all__ = ["LandmarkPooling", "LandmarkTransformer"]
@@ -43,7 +42,7 @@ class LandmarkTransformer(Transformer):
         self.landmark_token = landmark_token
         self.interval = interval
         self._landmark_id = landmark_token_id(self.tokenizer, landmark_token)
-        self._leading, self._trailing = special_token_layout(self.tokenizer)
+        self._layout = special_token_layout(self.tokenizer)
 
     def preprocess(self, inputs, prompt=None, processing_kwargs=None, **kwargs) -> dict[str, Any]:
         # Tokenize without truncation: landmarks go in first, and the result is truncated after.
@@ -52,11 +51,9 @@ class LandmarkTransformer(Transformer):
         features = super().preprocess(inputs, prompt, processing_kwargs, **kwargs)
         if "input_ids" not in features:
             return features
-        tokenizer = self.tokenizer
-        batch = insert_landmarks(
-            features["input_ids"], features["attention_mask"], landmark_id=self._landmark_id, interval=self.interval,
-            max_length=kwargs.get("max_length") or self.max_seq_length, num_leading=self._leading,
-            num_trailing=self._trailing, pad_id=tokenizer.pad_token_id or 0, padding_side=tokenizer.padding_side)
+        batch = insert_for_tokenizer(
+            self.tokenizer, features["input_ids"], features["attention_mask"], landmark_id=self._landmark_id,
+            layout=self._layout, interval=self.interval, max_length=kwargs.get("max_length") or self.max_seq_length)
         features.update(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                         landmark_mask=batch.landmark_mask)
         if "token_type_ids" in features:  # one segment per text: all zeros, at the new length

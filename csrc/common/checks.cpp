@@ -3,6 +3,7 @@
 #include <ATen/ops/any.h>
 #include <ATen/ops/nonzero.h>
 
+#include <cmath>
 #include <sstream>
 
 namespace lmk_ops {
@@ -134,6 +135,44 @@ RowSelection prepare_landmarks(
       ": expected a landmark mask of shape [B, L] = [", batch, ", ", seq_len, "], got ",
       shape_str(landmarks.sizes()));
   return {landmarks.contiguous(), at::Tensor()};
+}
+
+Heads check_query(const char* op, const at::Tensor& query, const at::Tensor& hidden) {
+  const int64_t dim = hidden.size(2);
+  TORCH_CHECK(
+      dim > 0, "lmk_ops.", op, ": expected hidden with D > 0 features (attention scores need them), got shape ",
+      shape_str(hidden.sizes()));
+  TORCH_CHECK(query.defined(), "lmk_ops.", op, ": expected query to be a tensor, got None");
+  TORCH_CHECK(
+      query.device() == hidden.device(), "lmk_ops.", op, ": expected query on the same device as hidden (",
+      hidden.device(), "), got ", query.device());
+  TORCH_CHECK(
+      is_supported_float(query.scalar_type()), "lmk_ops.", op,
+      ": expected query of dtype float16, bfloat16, float32 or float64, got ", query.scalar_type());
+  const bool one_head = query.dim() == 1 && query.size(0) == dim;
+  const bool heads = query.dim() == 2 && query.size(0) > 0 && query.size(0) * query.size(1) == dim;
+  TORCH_CHECK(
+      one_head || heads, "lmk_ops.", op, ": expected query of shape [D] = [", dim,
+      "] (one head) or [H, D / H] with H * (D / H) = ", dim, " (H heads), got ", shape_str(query.sizes()));
+  return one_head ? Heads{1, dim} : Heads{query.size(0), query.size(1)};
+}
+
+double resolve_scale(const char* op, std::optional<double> scale, int64_t head_dim) {
+  TORCH_CHECK(
+      !scale.has_value() || std::isfinite(*scale), "lmk_ops.", op, ": expected a finite scale, got ", *scale);
+  return scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim)));
+}
+
+void check_float_tensor(
+    const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape, const at::Tensor& like) {
+  TORCH_CHECK(t.defined(), "lmk_ops.", op, ": expected ", name, " to be a tensor, got None");
+  TORCH_CHECK(
+      t.device() == like.device(), "lmk_ops.", op, ": expected ", name, " on the same device as hidden (",
+      like.device(), "), got ", t.device());
+  TORCH_CHECK(
+      is_supported_float(t.scalar_type()) && t.sizes() == shape, "lmk_ops.", op, ": expected ", name,
+      " of a floating dtype and shape ", shape_str(shape), ", got ", t.scalar_type(), " of shape ",
+      shape_str(t.sizes()));
 }
 
 }  // namespace lmk_ops

@@ -50,6 +50,23 @@ at::Tensor prepare_positions(
     int64_t seq_len,
     const at::Tensor& like);
 
+// The heads of an attention query: count H and width D / H.
+struct Heads {
+  int64_t count;
+  int64_t dim;
+};
+
+// query: [D] (one head) or [H, D / H] (H heads) of a floating dtype, on hidden's device, where hidden (checked)
+// has D > 0 features.
+Heads check_query(const char* op, const at::Tensor& query, const at::Tensor& hidden);
+
+// The attention score scale: the given one, which must be finite, or 1 / sqrt(head_dim).
+double resolve_scale(const char* op, std::optional<double> scale, int64_t head_dim);
+
+// A floating tensor named `name` of exactly the expected shape, on like's device (saved tensors of backward ops).
+void check_float_tensor(
+    const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape, const at::Tensor& like);
+
 // "[2, 3, 4]" — for messages.
 std::string shape_str(at::IntArrayRef sizes);
 

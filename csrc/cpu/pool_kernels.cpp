@@ -1,68 +1,14 @@
 // Vectorised CPU pooling kernels. Compiled once per CPU capability: CPU_CAPABILITY is DEFAULT, AVX2 or AVX512
 // and names the namespace of this copy (see CMakeLists.txt and pool_kernels_dispatch.cpp).
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-
-#include <algorithm>
 #include <cmath>
 
 #include "common/dispatch.h"
+#include "cpu/attention_kernels.h"
+#include "cpu/kernel_common.h"
 #include "cpu/pool_kernels.h"
 
 namespace lmk_ops::cpu::CPU_CAPABILITY {
 namespace {
-
-using at::vec::Vectorized;
-
-template <typename scalar_t>
-using acc_t = at::opmath_type<scalar_t>;  // float for half/bfloat16/float, double for double
-
-// Work split for the forward kernels: tasks are (text b, block of features [d0, d0 + n)). Each task walks its
-// text's selected rows (increasing l, or the listed order) and reduces the block into an accumulator on its
-// stack, so every element's result depends only on that text's data, in a fixed order: a text pools to the same
-// bits alone or in a batch, whatever the thread count. Blocks are whole rows when there are enough texts to occupy every thread, and are
-// split (down to kMinBlock, which keeps each row read a long contiguous run for the prefetcher) when B is small.
-constexpr int64_t kMaxBlock = 1024;
-constexpr int64_t kMinBlock = 256;
-constexpr int64_t kTasksPerThread = 4;
-// Below this many elements of work per chunk, at::parallel_for keeps the work on one thread.
-constexpr int64_t kMinParallelWork = int64_t{1} << 15;
-
-int64_t feature_block(int64_t batch, int64_t dim) {
-  const int64_t threads = at::get_num_threads();
-  const int64_t blocks_per_text = std::max<int64_t>(1, (kTasksPerThread * threads + batch - 1) / batch);
-  int64_t block = (dim + blocks_per_text - 1) / blocks_per_text;
-  block = (block + 63) / 64 * 64;  // keeps every block but the last a whole number of vectors
-  return std::min(std::clamp(block, kMinBlock, kMaxBlock), dim);
-}
-
-template <typename Body>
-void for_each_text_block(int64_t batch, int64_t rows_per_text, int64_t dim, const Body& body) {
-  const int64_t block = feature_block(batch, dim);
-  const int64_t blocks = (dim + block - 1) / block;
-  const int64_t grain = std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, rows_per_text * block));
-  at::parallel_for(0, batch * blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / blocks;
-      const int64_t d0 = (task % blocks) * block;
-      body(b, d0, std::min(block, dim - d0));
-    }
-  });
-}
-
-// Loads Vectorized<acc_t>::size() elements widened to the accumulation type.
-template <typename scalar_t>
-inline Vectorized<acc_t<scalar_t>> load_widened(const scalar_t* p) {
-  if constexpr (std::is_same_v<scalar_t, acc_t<scalar_t>>) {
-    return Vectorized<scalar_t>::loadu(p);
-  } else {
-    Vectorized<float> v;
-    at::vec::load_to_float(p, v);
-    return v;
-  }
-}
 
 // Keeps the larger value and its position, lane by lane: x wins when it is greater, or when it is NaN and the
 // kept value is not (so the first NaN stays, as with torch.max); ties keep the earlier position. AVX2 and AVX-512
@@ -90,11 +36,6 @@ inline void keep_max<float>(
   where = _mm256_blendv_ps(where, pos, take);
 }
 #endif
-
-// A reducer folds groups of up to kRowGroup valid rows (in increasing l) into its accumulator of n features;
-// feature i of a row is at row[i * stride]. init() takes the first valid row alone. Folding a group per pass keeps
-// the accumulator in registers across the group's rows; the order of operations per element is still row by row.
-constexpr int kRowGroup = 4;
 
 template <typename scalar_t>
 struct SumReducer {
@@ -174,70 +115,6 @@ struct MaxReducer {
   }
 };
 
-// The row selections of RowSelection, one text at a time: each(f) calls f(l) for the text's selected rows in order.
-struct AllRows {
-  int64_t seq_len;
-  template <typename F>
-  void each(const F& f) const {
-    for (int64_t l = 0; l < seq_len; ++l) {
-      f(l);
-    }
-  }
-};
-
-struct MaskedRows {
-  const bool* valid;
-  int64_t seq_len;
-  template <typename F>
-  void each(const F& f) const {
-    for (int64_t l = 0; l < seq_len; ++l) {
-      if (valid[l]) {
-        f(l);
-      }
-    }
-  }
-};
-
-struct ListedRows {
-  const int64_t* positions;
-  int64_t count;
-  template <typename F>
-  void each(const F& f) const {
-    for (int64_t k = 0; k < count; ++k) {
-      if (positions[k] >= 0) {
-        f(positions[k]);
-      }
-    }
-  }
-};
-
-// Folds the selected rows of one text's feature block into the reducer, in the selection's order, without
-// reading the other rows. Returns how many rows were folded.
-template <typename scalar_t, typename Rows, typename Reducer>
-int64_t reduce_rows(const scalar_t* block, int64_t stride_l, int64_t stride_d, int64_t n, const Rows& selected,
-                    Reducer& reducer) {
-  int64_t count = 0;
-  const scalar_t* rows[kRowGroup];
-  int64_t ls[kRowGroup];
-  int k = 0;
-  selected.each([&](int64_t l) {
-    if (count++ == 0) {
-      reducer.init(block + l * stride_l, stride_d, n, l);
-      return;
-    }
-    rows[k] = block + l * stride_l;
-    ls[k] = l;
-    if (++k == kRowGroup) {
-      reducer.step(rows, ls, k, stride_d, n);
-      k = 0;
-    }
-  });
-  if (k > 0) {
-    reducer.step(rows, ls, k, stride_d, n);
-  }
-  return count;
-}
-
 // Shared driver of the forward kernels: runs a Reducer over every (text, feature block) task and hands the
 // reduced block to finish(b, d0, n, reducer, count).
 template <typename scalar_t, typename MakeReducer, typename Finish>
@@ -246,25 +123,15 @@ void pool_forward(const at::Tensor& hidden, const RowSelection& selection, const
   const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
   const int64_t sb = hidden.stride(0), sl = hidden.stride(1), sd = hidden.stride(2);
   const scalar_t* h = hidden.const_data_ptr<scalar_t>();
-  const auto run = [&](int64_t rows_per_text, const auto& rows_of) {
-    for_each_text_block(batch, rows_per_text, dim, [&](int64_t b, int64_t d0, int64_t n) {
+  with_row_selectors(selection, seq_len, [&](int64_t rows_per_text, const auto& rows_of) {
+    for_each_text_block(batch, rows_per_text, dim, 1, [&](int64_t b, int64_t d0, int64_t n) {
       alignas(64) acc_t<scalar_t> acc[kMaxBlock];
       alignas(64) at::vec::int_same_size_t<acc_t<scalar_t>> index[kMaxBlock];
       auto reducer = make(acc, index);
       const int64_t count = reduce_rows(h + b * sb + d0 * sd, sl, sd, n, rows_of(b), reducer);
       finish(b, d0, n, reducer, count);
     });
-  };
-  if (selection.positions.defined()) {
-    const int64_t listed = selection.positions.size(1);
-    const int64_t* p = selection.positions.const_data_ptr<int64_t>();
-    run(listed, [&](int64_t b) { return ListedRows{p + b * listed, listed}; });
-  } else if (selection.mask.defined()) {
-    const bool* v = selection.mask.const_data_ptr<bool>();
-    run(seq_len, [&](int64_t b) { return MaskedRows{v + b * seq_len, seq_len}; });
-  } else {
-    run(seq_len, [&](int64_t) { return AllRows{seq_len}; });
-  }
+  });
 }
 
 template <typename scalar_t, typename out_t>
@@ -354,7 +221,7 @@ void max_backward(const at::Tensor& grad, const at::Tensor& argmax, at::Tensor& 
 }  // namespace
 
 const PoolKernels& kernels() {
-  static const PoolKernels k{&mean_forward, &max_forward, &max_backward};
+  static const PoolKernels k{&mean_forward, &max_forward, &max_backward, &attention_forward, &attention_backward};
   return k;
 }
 

@@ -1,4 +1,4 @@
-"""lmk_ops: fused, mask-aware pooling for embedding models (mean, max, landmark), on CPU and CUDA."""
+"""lmk_ops: fused, mask-aware pooling for embedding models (mean, max, landmark, attention), on CPU and CUDA."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from . import reference  # noqa: E402,F401
 from .landmarks import LandmarkBatch, insert_landmarks, sample_intervals  # noqa: E402
 from . import nn  # noqa: E402
 from .ops import (  # noqa: E402
-    first_token_pool, landmark_gather, landmark_mean, landmark_positions, last_token_pool, max_pool, mean_pool,
+    attention_pool, first_token_pool, landmark_gather, landmark_mean, landmark_positions, last_token_pool, max_pool,
+    mean_pool,
 )
 
 __version__: str = _C.build_info()["version"]
@@ -30,7 +31,8 @@ def build_info() -> dict:
 
 
 __all__ = [
-    "LandmarkBatch", "__version__", "build_info", "first_token_pool", "insert_landmarks", "last_token_pool", "nn",
+    "LandmarkBatch", "__version__", "attention_pool", "build_info", "first_token_pool", "insert_landmarks",
+    "last_token_pool", "nn",
     "sample_intervals", "landmark_gather", "landmark_mean", "landmark_positions", "max_pool", "mean_pool",
     "reference",
 ]

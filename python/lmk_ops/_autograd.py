@@ -132,6 +132,53 @@ def _landmark_gather_backward_backward(ctx, grad_grad_hidden):
     return ops.landmark_gather(grad_grad_hidden, positions), None, None
 
 
+# attention_pool: the backward recomputes the probabilities from hidden, query and the saved log-sum-exp, and
+# returns the gradients of hidden and of query (the weights' gradient joins in when they were returned).
+def _attention_pool_setup(ctx, inputs, output):
+    hidden, mask, query, scale, return_weights = inputs
+    _, lse, _ = output
+    ctx.scale, ctx.return_weights = scale, return_weights
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(hidden, mask, query, lse)
+
+
+def _attention_pool_backward(ctx, grad, _grad_lse, grad_weights):
+    hidden, mask, query, lse = ctx.saved_tensors
+    grad_weights = grad_weights if ctx.return_weights else None
+    grad_hidden, grad_query = ops.attention_pool_backward(grad, grad_weights, hidden, mask, query, lse, ctx.scale)
+    return grad_hidden, None, grad_query, None, None
+
+
+# attention_pool_backward is not linear in its inputs, and its derivatives are needed only for double backward
+# (gradient penalties, Hessian-vector products): they run through the plain-PyTorch reference, recomputed in the
+# accumulation type. Correct rather than fused.
+def _attention_pool_backward_setup(ctx, inputs, output):
+    grad, grad_weights, hidden, mask, query, _, scale = inputs
+    ctx.scale, ctx.has_grad_weights = scale, grad_weights is not None
+    ctx.save_for_backward(grad, grad_weights, hidden, mask, query)
+
+
+def _attention_pool_backward_backward(ctx, grad_grad_hidden, grad_grad_query):
+    from . import reference
+
+    grad, grad_weights, hidden, mask, query = ctx.saved_tensors
+    wide = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    leaves = [t.detach().to(wide).requires_grad_() for t in (grad, hidden, query)]
+    if ctx.has_grad_weights:
+        leaves.append(grad_weights.detach().to(wide).requires_grad_())
+    with torch.enable_grad():
+        g, h, q = leaves[:3]
+        out, weights = reference.attention_pool(h, mask, q, scale=ctx.scale, return_weights=True)
+        upstream = (g, leaves[3].reshape(weights.shape)) if ctx.has_grad_weights else (g, torch.zeros_like(weights))
+        grad_h, grad_q = torch.autograd.grad((out, weights), (h, q), upstream, create_graph=True)
+        found = torch.autograd.grad((grad_h, grad_q), leaves, (grad_grad_hidden.to(wide), grad_grad_query.to(wide)),
+                                    allow_unused=True)
+    found = [torch.zeros_like(t) if f is None else f for f, t in zip(found, leaves)]
+    d_grad, d_hidden, d_query = (f.to(t.dtype) for f, t in zip(found[:3], (grad, hidden, query)))
+    d_grad_weights = found[3].to(grad_weights.dtype) if ctx.has_grad_weights else None
+    return d_grad, d_grad_weights, d_hidden, None, d_query, None, None
+
+
 for _name, _backward, _setup in [
     ("mean_pool", _mean_pool_backward, _mean_pool_setup),
     ("mean_pool_backward", _mean_pool_backward_backward, _mean_pool_backward_setup),
@@ -141,5 +188,7 @@ for _name, _backward, _setup in [
     ("landmark_mean_backward", _landmark_mean_backward_backward, _landmark_mean_backward_setup),
     ("landmark_gather", _landmark_gather_backward, _landmark_gather_setup),
     ("landmark_gather_backward", _landmark_gather_backward_backward, _landmark_gather_backward_setup),
+    ("attention_pool", _attention_pool_backward, _attention_pool_setup),
+    ("attention_pool_backward", _attention_pool_backward_backward, _attention_pool_backward_setup),
 ]:
     torch.library.register_autograd(f"lmk_ops::{_name}", _backward, setup_context=_setup)

@@ -7,6 +7,8 @@ in C++.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -84,3 +86,33 @@ def check_landmarks(op: str, landmarks: torch.Tensor, batch, seq_len, like: torc
         fail(op, f"expected landmarks on the same device as hidden ({like.device}), got {landmarks.device}")
     if landmarks.dim() != 2 or landmarks.shape[0] != batch or landmarks.shape[1] != seq_len:
         fail(op, f"expected a landmark mask of shape [B, L] = [{batch}, {seq_len}], got {_shape(landmarks)}")
+
+
+def check_query(op: str, query: torch.Tensor, hidden: torch.Tensor) -> tuple[int, int]:
+    """query [D] or [H, D // H] for hidden [B, L, D] (checked); returns (H, D // H)."""
+    dim = hidden.shape[2]
+    if dim == 0:
+        fail(op, f"expected hidden with D > 0 features (attention scores need them), got shape {_shape(hidden)}")
+    if query.device != hidden.device:
+        fail(op, f"expected query on the same device as hidden ({hidden.device}), got {query.device}")
+    if query.dtype not in _FLOATS:
+        fail(op, f"expected query of dtype float16, bfloat16, float32 or float64, got {dtype_name(query.dtype)}")
+    if query.dim() == 1 and query.shape[0] == dim:
+        return 1, dim
+    if query.dim() == 2 and query.shape[0] > 0 and query.shape[0] * query.shape[1] == dim:
+        return query.shape[0], query.shape[1]
+    fail(op, f"expected query of shape [D] = [{dim}] (one head) or [H, D / H] with H * (D / H) = {dim} (H heads), "
+         f"got {_shape(query)}")
+
+
+def check_scale(op: str, scale: float | None) -> None:
+    if scale is not None and not math.isfinite(scale):
+        fail(op, f"expected a finite scale, got {scale}")
+
+
+def check_float_tensor(op: str, name: str, t: torch.Tensor, shape, like: torch.Tensor) -> None:
+    if t.device != like.device:
+        fail(op, f"expected {name} on the same device as hidden ({like.device}), got {t.device}")
+    if t.dtype not in _FLOATS or list(t.shape) != list(shape):
+        fail(op, f"expected {name} of a floating dtype and shape [{', '.join(str(s) for s in shape)}], got "
+             f"{dtype_name(t.dtype)} of shape {_shape(t)}")

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_grad, check_grad_dtype, check_hidden, check_landmarks, check_mask, check_pooled_grad, check_positions
-from ._checks import dtype_name, fail
+from ._checks import check_float_tensor, check_grad, check_grad_dtype, check_hidden, check_landmarks, check_mask
+from ._checks import check_pooled_grad, check_positions, check_query, check_scale, dtype_name, fail
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation type of a floating dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _unnormalized(hidden, normalize: bool):
     """The second output: [B, D] in the accumulation type with normalize, else empty."""
-    wide = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    return hidden.new_empty((hidden.shape[0], hidden.shape[2]) if normalize else (0,), dtype=wide)
+    return hidden.new_empty((hidden.shape[0], hidden.shape[2]) if normalize else (0,), dtype=_wide(hidden.dtype))
 
 
 def _pooled(hidden):
@@ -83,3 +87,30 @@ def _landmark_gather_backward_fake(grad_out, positions, seq_len):
         fail("landmark_gather_backward", f"expected grad_out of shape [B, K, D] with K = {positions.shape[1]} "
              f"(as positions), got [{', '.join(str(s) for s in grad_out.shape)}]")
     return _unpooled(grad_out, seq_len)
+
+
+@torch.library.register_fake("lmk_ops::attention_pool")
+def _attention_pool_fake(hidden, mask, query, scale=None, return_weights=False):
+    check_hidden("attention_pool", hidden)
+    heads, _ = check_query("attention_pool", query, hidden)
+    check_scale("attention_pool", scale)
+    check_mask("attention_pool", mask, hidden.shape[0], hidden.shape[1], hidden)
+    wide = _wide(hidden.dtype)
+    batch, seq_len = hidden.shape[0], hidden.shape[1]
+    weights = hidden.new_empty((batch, heads, seq_len) if return_weights else (0,), dtype=wide)
+    return _pooled(hidden), hidden.new_empty((batch, heads), dtype=wide), weights
+
+
+@torch.library.register_fake("lmk_ops::attention_pool_backward")
+def _attention_pool_backward_fake(grad_out, grad_weights, hidden, mask, query, lse, scale=None):
+    op = "attention_pool_backward"
+    check_hidden(op, hidden)
+    heads, _ = check_query(op, query, hidden)
+    check_scale(op, scale)
+    batch, seq_len, dim = hidden.shape
+    check_float_tensor(op, "grad_out", grad_out, (batch, dim), hidden)
+    check_float_tensor(op, "lse", lse, (batch, heads), hidden)
+    if grad_weights is not None:
+        check_float_tensor(op, "grad_weights", grad_weights, (batch, heads, seq_len), hidden)
+    check_mask(op, mask, batch, seq_len, hidden)
+    return hidden.new_empty(hidden.shape), query.new_empty(query.shape)

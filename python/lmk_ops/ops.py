@@ -9,7 +9,7 @@ from torch import Tensor
 from ._checks import check_hidden, check_mask, fail
 
 __all__ = [
-    "first_token_pool", "landmark_gather", "landmark_mean", "landmark_positions", "last_token_pool", "max_pool",
+    "attention_pool", "first_token_pool", "landmark_gather", "landmark_mean", "landmark_positions", "last_token_pool", "max_pool",
     "mean_pool",
 ]
 
@@ -172,3 +172,36 @@ def last_token_pool(hidden: Tensor, mask: Tensor | None = None) -> Tensor:
     """
     positions = _token_positions("last_token_pool", hidden, mask, last=True)
     return torch.ops.lmk_ops.landmark_gather(hidden, positions).squeeze(1)
+
+
+def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale: float | None = None,
+                   return_weights: bool = False):
+    """Attention pooling: a softmax over each text's valid tokens, scored against a learned query, weights the sum.
+
+    One pass over hidden with an online softmax; the backward recomputes the probabilities from the saved
+    log-sum-exp and gives the gradients of hidden and of query in one more pass.
+
+    Args:
+        hidden: ``[B, L, D]`` float16, bfloat16, float32 or float64, any strides.
+        mask: ``[B, L]`` bool or integer 0/1, ``None`` meaning every token is valid.
+        query: ``[D]`` (one head) or ``[H, D // H]`` (H heads: head h scores and pools its own slice
+            ``[h * D // H, (h + 1) * D // H)`` of the features), any floating dtype (used in float32, float64 for
+            float64 hidden); its gradient comes back in its own dtype.
+        scale: multiplies the scores ``<hidden[b, l, slice_h], query[h]>``; default ``1 / sqrt(D // H)``.
+        return_weights: also return the probabilities, differentiable.
+
+    Returns:
+        ``[B, D]`` in hidden's dtype: per head, the probability-weighted sum of its slice, with the softmax in
+        float32 (float64 for float64). Extreme scores cannot overflow. A text with no valid token gives zeros and
+        zero gradient. With ``return_weights``, also the probabilities in float32 (float64 for float64): ``[B, L]``
+        for a ``[D]`` query, ``[B, H, L]`` for ``[H, D // H]``; zero at masked tokens and for a text with none.
+        Double backward works, through the plain-PyTorch reference (correct, not fused).
+
+    Raises:
+        RuntimeError: starting ``lmk_ops.attention_pool:`` for a bad hidden or mask (as :func:`mean_pool`), hidden
+        with ``D = 0``, a query of another shape, dtype or device, or a scale that is not finite.
+    """
+    out, _, weights = torch.ops.lmk_ops.attention_pool(hidden, mask, query, scale, return_weights)
+    if not return_weights:
+        return out
+    return out, weights.squeeze(1) if query.dim() == 1 else weights

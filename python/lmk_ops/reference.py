@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["insert_landmarks", "landmark_gather", "landmark_mean", "max_pool", "mean_pool"]
+__all__ = ["attention_pool", "insert_landmarks", "landmark_gather", "landmark_mean", "max_pool", "mean_pool"]
 
 
 def _valid(hidden: Tensor, mask: Tensor | None) -> Tensor:
@@ -70,6 +70,25 @@ def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False)
     gathered, valid = landmark_gather(hidden, landmarks)
     count = valid.sum(dim=1, keepdim=True).clamp(min=1).to(hidden.dtype)
     return _maybe_normalize(gathered.sum(dim=1) / count, normalize)
+
+
+def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale: float | None = None,
+                   return_weights: bool = False):
+    batch, seq_len, dim = hidden.shape
+    heads = query.reshape(-1, query.shape[-1]) if query.dim() == 2 else query.unsqueeze(0)
+    head_dim = heads.shape[1]
+    scale = head_dim**-0.5 if scale is None else scale
+    states = hidden.reshape(batch, seq_len, heads.shape[0], head_dim)
+    scores = torch.einsum("blhd,hd->bhl", states, heads.to(hidden.dtype)) * scale
+    valid = _valid(hidden, mask).unsqueeze(1)
+    # Softmax in float32 (float64 for float64) over the valid tokens; a text with none gets finite scores, then zero
+    # weights.
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(~valid, float("-inf")).masked_fill(~valid.any(-1, keepdim=True), 0.0)
+    weights = scores.softmax(-1) * valid
+    out = torch.einsum("bhl,blhd->bhd", weights.to(hidden.dtype), states).reshape(batch, dim)
+    if not return_weights:
+        return out
+    return out, weights.squeeze(1) if query.dim() == 1 else weights
 
 
 def insert_landmarks(input_ids: Tensor, attention_mask: Tensor | None = None, *, landmark_id: int, interval=32,

@@ -28,16 +28,18 @@ TORCH_LIBRARY(lmk_ops, m) {
   m.def("landmark_gather(Tensor hidden, Tensor positions) -> Tensor", tags);
   m.def("landmark_gather_backward(Tensor grad_out, Tensor positions, SymInt seq_len) -> Tensor", tags);
   // query: [D] (one head) or [H, D / H] (H heads, head h scoring and pooling features [h D / H, (h + 1) D / H)).
-  // scale defaults to 1 / sqrt(D / H). Returns (out [B, D] in hidden's dtype, lse [B, H], weights [B, H, L] or
-  // empty without return_weights), lse and weights in the accumulation type; lse is -inf for a text with no valid
-  // token. The backward recomputes the probabilities from lse and returns (grad_hidden, grad_query).
+  // scale defaults to 1 / sqrt(D / H). Returns (out [B, D] in hidden's dtype; stats [B, H, 2] in float64, the
+  // softmax statistics {max score, sum of exp(score - max)}, -inf for a text with no valid token; weights
+  // [B, H, L] in the accumulation type, or empty without return_weights). The backward recomputes the probabilities
+  // from stats, works relative to out (the forward's output, which keeps it accurate in float32) and returns
+  // (grad_hidden, grad_query).
   m.def(
       "attention_pool(Tensor hidden, Tensor? mask, Tensor query, float? scale=None, bool return_weights=False) -> "
       "(Tensor, Tensor, Tensor)",
       tags);
   m.def(
       "attention_pool_backward(Tensor grad_out, Tensor? grad_weights, Tensor hidden, Tensor? mask, Tensor query, "
-      "Tensor lse, float? scale=None) -> (Tensor, Tensor)",
+      "Tensor out, Tensor stats, float? scale=None) -> (Tensor, Tensor)",
       tags);
 }
 

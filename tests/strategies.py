@@ -53,11 +53,12 @@ def make_mask(kind, mask_dtype, batch, seq_len, gen) -> torch.Tensor | None:
     return mask.to(mask_dtype)
 
 
-def draw_hidden(draw, dtypes, max_seq, max_dim):
-    """hidden [B, L, D] of a drawn shape, dtype and layout, and the generator for the rest of the case."""
+def draw_hidden(draw, dtypes, max_seq, max_dim, dim=None):
+    """hidden [B, L, D] of a drawn shape (D drawn unless given), dtype and layout, and the generator for the rest
+    of the case."""
     batch = draw(st.integers(1, 8))
     seq_len = draw(st.integers(1, max_seq))
-    dim = draw(st.integers(1, max_dim))
+    dim = dim if dim is not None else draw(st.integers(1, max_dim))
     dtype = draw(st.sampled_from(dtypes))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     return make_hidden((batch, seq_len, dim), dtype, draw(st.sampled_from(LAYOUTS)), gen), gen
@@ -114,3 +115,45 @@ def landmark_cases(draw, dtypes=DTYPES, max_seq=300, max_dim=300) -> LandmarkCas
         landmarks = make_positions(batch, seq_len, gen)
     grad = torch.randn(batch, dim, generator=gen, dtype=torch.float64).to(dtype)
     return LandmarkCase(hidden, landmarks, grad)
+
+
+HEAD_COUNTS = (1, 2, 4, 8, 12)
+
+
+@dataclass
+class AttentionCase:
+    hidden: torch.Tensor
+    mask: torch.Tensor | None
+    query: torch.Tensor  # [D] or [H, D // H]
+    scale: float | None
+    return_weights: bool
+    grad: torch.Tensor  # upstream gradient for the pooled [B, D] output
+    grad_weights: torch.Tensor  # upstream gradient for the weights (used with return_weights)
+
+    def __repr__(self) -> str:
+        h = self.hidden
+        mask = "None" if self.mask is None else f"{self.mask.dtype} valid={self.mask.sum(1).tolist()}"
+        return (f"AttentionCase(shape={list(h.shape)}, dtype={h.dtype}, strides={h.stride()}, mask={mask}, "
+                f"query={list(self.query.shape)} {self.query.dtype} |q|max={self.query.abs().max().item():.3g}, "
+                f"scale={self.scale}, return_weights={self.return_weights})")
+
+
+@st.composite
+def attention_cases(draw, dtypes=DTYPES, max_seq=200, max_head_dim=40) -> AttentionCase:
+    heads = draw(st.sampled_from(HEAD_COUNTS))
+    head_dim = draw(st.integers(1, max_head_dim))
+    hidden, gen = draw_hidden(draw, dtypes, max_seq, None, dim=heads * head_dim)
+    (batch, seq_len, dim), dtype = hidden.shape, hidden.dtype
+    mask = make_mask(draw(st.sampled_from(MASK_KINDS)), draw(st.sampled_from(MASK_DTYPES)), batch, seq_len, gen)
+    shape = (dim,) if heads == 1 and draw(st.booleans()) else (heads, head_dim)
+    # 0 gives uniform weights; larger queries give peaked ones.
+    spread = draw(st.sampled_from((0.0, 0.3, 1.0, 3.0)))
+    query = (torch.randn(shape, generator=gen, dtype=torch.float64) * spread).to(
+        draw(st.sampled_from((dtype, torch.float32))))
+    scale = draw(st.one_of(st.none(), st.floats(0.05, 2.0)))
+    grad = torch.randn(batch, dim, generator=gen, dtype=torch.float64).to(dtype)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    grad_weights = torch.randn(batch, heads, seq_len, generator=gen, dtype=torch.float64).to(wide)
+    if len(shape) == 1:
+        grad_weights = grad_weights.squeeze(1)
+    return AttentionCase(hidden, mask, query, scale, draw(st.booleans()), grad, grad_weights)

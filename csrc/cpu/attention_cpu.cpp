@@ -31,29 +31,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_pool(
   const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
   const at::Tensor valid = prepare_mask(op, mask, batch, seq_len, hidden);
   const at::ScalarType acc = at::toOpMathType(hidden.scalar_type());
-  at::Tensor lse = at::full({batch, heads.count}, -std::numeric_limits<double>::infinity(), hidden.options().dtype(acc));
+  at::Tensor stats = at::full(
+      {batch, heads.count, 2}, -std::numeric_limits<double>::infinity(), hidden.options().dtype(at::kDouble));
   at::Tensor weights = return_weights ? at::zeros({batch, heads.count, seq_len}, hidden.options().dtype(acc))
                                       : at::empty({0}, hidden.options().dtype(acc));
   if (batch == 0 || seq_len == 0) {
-    return {at::zeros({batch, dim}, hidden.options()), lse, weights};
+    return {at::zeros({batch, dim}, hidden.options()), stats, weights};
   }
   at::Tensor out = at::empty({batch, dim}, hidden.options());
   at::Tensor kernel_weights = return_weights ? weights : at::Tensor();
-  pool_kernels().attention_forward(hidden, valid, wide_query(query, heads, acc), s, out, lse, kernel_weights);
-  return {out, lse, weights};
+  pool_kernels().attention_forward(hidden, valid, wide_query(query, heads, acc), s, out, stats, kernel_weights);
+  return {out, stats, weights};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_pool_backward(
     const at::Tensor& grad, const std::optional<at::Tensor>& grad_weights, const at::Tensor& hidden,
-    const std::optional<at::Tensor>& mask, const at::Tensor& query, const at::Tensor& lse,
-    std::optional<double> scale) {
+    const std::optional<at::Tensor>& mask, const at::Tensor& query, const at::Tensor& out,
+    const at::Tensor& stats, std::optional<double> scale) {
   constexpr const char* op = "attention_pool_backward";
   check_hidden(op, hidden);
   const Heads heads = check_query(op, query, hidden);
   const double s = resolve_scale(op, scale, heads.dim);
   const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
   check_float_tensor(op, "grad_out", grad, {batch, dim}, hidden);
-  check_float_tensor(op, "lse", lse, {batch, heads.count}, hidden);
+  check_float_tensor(op, "out", out, {batch, dim}, hidden);
+  check_float_tensor(op, "stats", stats, {batch, heads.count, 2}, hidden);
   const bool has_grad_weights = grad_weights.has_value() && grad_weights->defined();
   if (has_grad_weights) {
     check_float_tensor(op, "grad_weights", *grad_weights, {batch, heads.count, seq_len}, hidden);
@@ -66,7 +68,7 @@ std::tuple<at::Tensor, at::Tensor> attention_pool_backward(
     const at::Tensor wide_grad_weights = has_grad_weights ? grad_weights->to(acc).contiguous() : at::Tensor();
     pool_kernels().attention_backward(
         grad.to(acc).contiguous(), wide_grad_weights, hidden, valid, wide_query(query, heads, acc),
-        lse.to(acc).contiguous(), s, grad_hidden, grad_query);
+        out.to(acc).contiguous(), stats.to(at::kDouble).contiguous(), s, grad_hidden, grad_query);
   }
   return {grad_hidden, grad_query.reshape(query.sizes()).to(query.scalar_type())};
 }

@@ -8,13 +8,18 @@
 // Forward, per text and head: one pass over the valid rows with an online softmax. Each group of rows gets its
 // scores (dot with the head's query), the running maximum moves up if a score passes it (rescaling the running
 // total and the weighted row sum once per group), then the rows are added with weight exp(score - max). Nothing
-// can overflow: every exponent is <= 0. Only the log-sum-exp [B, H] is kept for the backward.
+// can overflow: every exponent is <= 0. Only the softmax statistics are kept for the backward: per text and head
+// the maximum score and the sum of exp(score - max), the two parts of the log-sum-exp max + log(sum).
 //
-// Backward, per text and head: with p_l = exp(s_l - lse) and a_l = <g, x_l> (+ the gradient of the returned
-// weight), the score gradient is p_l (a_l - delta) with delta = sum_l p_l a_l. One pass reads each valid row once
-// and keeps p_l, a_l and the two row sums the query gradient needs (sum p_l a_l x_l and sum p_l x_l). The rows of
-// grad_hidden, p_l g + scale p_l (a_l - delta) q, need no hidden state: a second loop writes every one of them
-// (zeros for the padding) without reading hidden again.
+// Backward, per text and head: with p_l = exp(s_l - max) / sum and a_l = <g, x_l> (+ the gradient of the returned
+// weight), the score gradient is p_l (a_l - delta) with delta = sum_l p_l a_l. Written that way it cancels badly
+// in float32 when the states share a large common part, so the backward works relative to the forward's output m
+// (the weighted mean of the rows, so delta = <g, m> + sum_l p_l gw_l): with e_l = <g, x_l - m> + gw_l and
+// S = sum_l p_l e_l, the score gradient is p_l (e_l - S), and the query gradient scale * sum_l p_l (e_l - S) x_l
+// equals scale * (sum_l p_l e_l (x_l - m) - S sum_l p_l (x_l - m)), every term small where the rows agree. One
+// pass reads each valid row once and keeps p_l, e_l and those two sums. The rows of grad_hidden,
+// p_l g + scale p_l (e_l - S) q, need no hidden state: a second loop writes every one of them (zeros for the
+// padding) without reading hidden again.
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -73,7 +78,11 @@ inline void dots(const scalar_t* x, int64_t stride, const acc_t<scalar_t>* const
   }
 }
 
-// The online softmax of one text's block of heads, as a reducer for reduce_rows.
+// Sums over rows run in chunks of kChunkRows rows, each chunk's sum folded into the total: float32 error then grows
+// with the number of chunks rather than with L (a plain running sum over thousands of rows loses digits).
+constexpr int64_t kChunkRows = 32;
+
+// The online softmax of one text's block of heads, as a reducer for reduce_rows. Call fold() after the last row.
 template <typename scalar_t>
 struct SoftmaxReducer {
   using acc = acc_t<scalar_t>;
@@ -81,17 +90,31 @@ struct SoftmaxReducer {
   const acc* query;  // the block's heads, [heads, head_dim]
   acc scale;
   int64_t heads, head_dim;
-  acc* weighted;     // [heads * head_dim]: sum over rows of exp(score - running_max) * row
+  acc* weighted;     // [2 * n]: sum over rows of exp(score - running_max) * row, then the current chunk's sum
   acc* running_max;  // [heads]
-  acc* total;        // [heads]: sum over rows of exp(score - running_max)
+  acc* total;        // [2 * heads]: sum over rows of exp(score - running_max), then the current chunk's sum
   acc* scores;       // [heads, seq_len]: each row's raw score, kept when the weights are returned; else nullptr
   int64_t seq_len;
+  int64_t chunk_rows = 0;
 
   void init(const scalar_t* row, int64_t stride, int64_t n, int64_t l) {
-    std::fill_n(weighted, n, acc(0));
+    std::fill_n(weighted, 2 * n, acc(0));
     std::fill_n(running_max, heads, -std::numeric_limits<acc>::infinity());
-    std::fill_n(total, heads, acc(0));
+    std::fill_n(total, 2 * heads, acc(0));
     step(&row, &l, 1, stride, n);
+  }
+
+  void fold() {
+    const int64_t n = heads * head_dim;
+    for (int64_t i = 0; i < n; ++i) {
+      weighted[i] += weighted[n + i];
+      weighted[n + i] = acc(0);
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      total[h] += total[heads + h];
+      total[heads + h] = acc(0);
+    }
+    chunk_rows = 0;
   }
 
   void step(const scalar_t* const* rows, const int64_t* ls, int k, int64_t stride, int64_t /*n*/) {
@@ -111,20 +134,27 @@ struct SoftmaxReducer {
         group_max = std::max(group_max, s[r]);  // a NaN score is passed over here and poisons the total below
       }
       acc* w = weighted + offset;
+      acc* chunk_w = weighted + heads * head_dim + offset;
       if (group_max > running_max[h]) {
-        if (total[h] != acc(0)) {
+        if (running_max[h] != -std::numeric_limits<acc>::infinity()) {  // else nothing was added yet
           const acc factor = std::exp(running_max[h] - group_max);
           scale_in_place(w, factor);
+          scale_in_place(chunk_w, factor);
           total[h] *= factor;
+          total[heads + h] *= factor;
         }
         running_max[h] = group_max;
       }
       acc p[kRowGroup];
       for (int r = 0; r < k; ++r) {
         p[r] = std::exp(s[r] - running_max[h]);
-        total[h] += p[r];
+        total[heads + h] += p[r];
       }
-      add_rows(w, p, x, k, stride);
+      add_rows(chunk_w, p, x, k, stride);
+    }
+    chunk_rows += k;
+    if (chunk_rows >= kChunkRows) {
+      fold();
     }
   }
 
@@ -158,9 +188,18 @@ struct SoftmaxReducer {
   }
 };
 
+// A score's probability from its text and head's statistics {max, sum}: exp(score - max) / sum, as a softmax
+// computes it. Kept as that pair rather than one log-sum-exp number max + log(sum), the statistics lose nothing at
+// any score magnitude: rounded to one number, the log-sum-exp carries an error of |max| ulps into every recomputed
+// probability (and loses log(sum) entirely once |max| is large).
+template <typename acc>
+inline acc probability(acc score, const double* stats) {
+  return std::exp(score - static_cast<acc>(stats[0])) / static_cast<acc>(stats[1]);
+}
+
 template <typename scalar_t>
 void attention_forward_typed(const at::Tensor& hidden, const at::Tensor& valid, const at::Tensor& query,
-                             double scale, at::Tensor& out, at::Tensor& lse, at::Tensor& weights) {
+                             double scale, at::Tensor& out, at::Tensor& stats, at::Tensor& weights) {
   using acc = acc_t<scalar_t>;
   const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
   const int64_t sb = hidden.stride(0), sl = hidden.stride(1), sd = hidden.stride(2);
@@ -168,23 +207,26 @@ void attention_forward_typed(const at::Tensor& hidden, const at::Tensor& valid, 
   const scalar_t* h = hidden.const_data_ptr<scalar_t>();
   const acc* q = query.const_data_ptr<acc>();
   scalar_t* o = out.data_ptr<scalar_t>();
-  acc* log_sum = lse.data_ptr<acc>();
+  double* all_stats = stats.data_ptr<double>();
   acc* w = weights.defined() ? weights.data_ptr<acc>() : nullptr;
   with_row_selectors(RowSelection{valid, at::Tensor()}, seq_len, [&](int64_t rows_per_text, const auto& rows_of) {
     for_each_text_block(batch, rows_per_text, dim, head_dim, [&](int64_t b, int64_t d0, int64_t n) {
       const int64_t h0 = d0 / head_dim, block_heads = n / head_dim;
-      std::vector<acc> state(n + 2 * block_heads);
+      std::vector<acc> state(2 * n + 3 * block_heads);
       acc* scores = w != nullptr ? w + (b * heads + h0) * seq_len : nullptr;
       SoftmaxReducer<scalar_t> reducer{q + d0, static_cast<acc>(scale), block_heads, head_dim, state.data(),
-                                       state.data() + n, state.data() + n + block_heads, scores, seq_len};
+                                       state.data() + 2 * n, state.data() + 2 * n + block_heads, scores, seq_len};
       const auto rows = rows_of(b);
       const int64_t count = reduce_rows(h + b * sb + d0 * sd, sl, sd, n, rows, reducer);
+      reducer.fold();
       scalar_t* dst = o + b * dim + d0;
-      acc* text_lse = log_sum + b * heads + h0;
+      double* text_stats = all_stats + (b * heads + h0) * 2;
       for (int64_t hh = 0; hh < block_heads; ++hh) {
         const acc total = count > 0 ? reducer.total[hh] : acc(0);
-        text_lse[hh] = count > 0 ? reducer.running_max[hh] + std::log(total)
-                                 : -std::numeric_limits<acc>::infinity();
+        if (count > 0) {
+          text_stats[2 * hh] = reducer.running_max[hh];
+          text_stats[2 * hh + 1] = total;
+        }
         for (int64_t i = hh * head_dim; i < (hh + 1) * head_dim; ++i) {
           dst[i] = count > 0 ? static_cast<scalar_t>(state[i] / total) : scalar_t(0);
         }
@@ -192,7 +234,7 @@ void attention_forward_typed(const at::Tensor& hidden, const at::Tensor& valid, 
       if (scores != nullptr && count > 0) {
         rows.each([&](int64_t l) {
           for (int64_t hh = 0; hh < block_heads; ++hh) {
-            scores[hh * seq_len + l] = std::exp(scores[hh * seq_len + l] - text_lse[hh]);
+            scores[hh * seq_len + l] = probability(scores[hh * seq_len + l], text_stats + 2 * hh);
           }
         });
       }
@@ -200,24 +242,64 @@ void attention_forward_typed(const at::Tensor& hidden, const at::Tensor& valid, 
   });
 }
 
-// pa += c_pa * x and pr += c_pr * x over n features.
+// The two dot products of a valid row in the backward: <x, q> (the score, computed exactly as the forward
+// computes it) and <x - m, g>, with four accumulator chains each.
 template <typename scalar_t>
-inline void add_scaled_twice(acc_t<scalar_t>* pa, acc_t<scalar_t>* pr, acc_t<scalar_t> c_pa, acc_t<scalar_t> c_pr,
-                             const scalar_t* x, int64_t stride, int64_t n) {
+inline void backward_dots(const scalar_t* x, int64_t stride, const acc_t<scalar_t>* q, const acc_t<scalar_t>* m,
+                          const acc_t<scalar_t>* g, int64_t n, acc_t<scalar_t>& score_dot,
+                          acc_t<scalar_t>& centred_dot) {
+  using acc = acc_t<scalar_t>;
+  using Vec = Vectorized<acc>;
+  constexpr int64_t W = Vec::size();
+  int64_t i = 0;
+  score_dot = centred_dot = acc(0);
+  if (stride == 1) {
+    Vec sq[4], sg[4];
+    for (int u = 0; u < 4; ++u) {
+      sq[u] = sg[u] = Vec(acc(0));
+    }
+    const auto add = [&](int64_t at, int u) {
+      const Vec xv = load_widened(x + at);
+      sq[u] = at::vec::fmadd(xv, Vec::loadu(q + at), sq[u]);
+      sg[u] = at::vec::fmadd(xv - Vec::loadu(m + at), Vec::loadu(g + at), sg[u]);
+    };
+    for (; i + 4 * W <= n; i += 4 * W) {
+      for (int u = 0; u < 4; ++u) {
+        add(i + u * W, u);
+      }
+    }
+    for (; i + W <= n; i += W) {
+      add(i, 0);
+    }
+    const auto sum = [](Vec& a, Vec& b) { return a + b; };
+    score_dot = at::vec::vec_reduce_all<acc>(sum, (sq[0] + sq[1]) + (sq[2] + sq[3]));
+    centred_dot = at::vec::vec_reduce_all<acc>(sum, (sg[0] + sg[1]) + (sg[2] + sg[3]));
+  }
+  for (; i < n; ++i) {
+    const auto xi = static_cast<acc>(x[i * stride]);
+    score_dot += xi * q[i];
+    centred_dot += (xi - m[i]) * g[i];
+  }
+}
+
+// pe += c_pe * (x - m) and pr += c_pr * (x - m) over n features.
+template <typename scalar_t>
+inline void add_centred_twice(acc_t<scalar_t>* pe, acc_t<scalar_t>* pr, acc_t<scalar_t> c_pe, acc_t<scalar_t> c_pr,
+                              const scalar_t* x, int64_t stride, const acc_t<scalar_t>* m, int64_t n) {
   using Vec = Vectorized<acc_t<scalar_t>>;
   int64_t i = 0;
   if (stride == 1) {
-    const Vec va(c_pa), vr(c_pr);
+    const Vec ve(c_pe), vr(c_pr);
     for (; i + Vec::size() <= n; i += Vec::size()) {
-      const Vec xv = load_widened(x + i);
-      at::vec::fmadd(va, xv, Vec::loadu(pa + i)).store(pa + i);
-      at::vec::fmadd(vr, xv, Vec::loadu(pr + i)).store(pr + i);
+      const Vec y = load_widened(x + i) - Vec::loadu(m + i);
+      at::vec::fmadd(ve, y, Vec::loadu(pe + i)).store(pe + i);
+      at::vec::fmadd(vr, y, Vec::loadu(pr + i)).store(pr + i);
     }
   }
   for (; i < n; ++i) {
-    const auto xi = static_cast<acc_t<scalar_t>>(x[i * stride]);
-    pa[i] += c_pa * xi;
-    pr[i] += c_pr * xi;
+    const auto y = static_cast<acc_t<scalar_t>>(x[i * stride]) - m[i];
+    pe[i] += c_pe * y;
+    pr[i] += c_pr * y;
   }
 }
 
@@ -236,8 +318,9 @@ inline void combine(acc* dst, acc p, const acc* g, acc c, const acc* q, int64_t 
 
 template <typename scalar_t>
 void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_weights, const at::Tensor& hidden,
-                              const at::Tensor& valid, const at::Tensor& query, const at::Tensor& lse, double scale,
-                              at::Tensor& grad_hidden, at::Tensor& grad_query) {
+                              const at::Tensor& valid, const at::Tensor& query, const at::Tensor& out,
+                              const at::Tensor& stats, double scale, at::Tensor& grad_hidden,
+                              at::Tensor& grad_query) {
   using acc = acc_t<scalar_t>;
   const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
   const int64_t sb = hidden.stride(0), sl = hidden.stride(1), sd = hidden.stride(2);
@@ -246,7 +329,8 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
   const acc* g = grad.const_data_ptr<acc>();
   const acc* gw = grad_weights.defined() ? grad_weights.const_data_ptr<acc>() : nullptr;
   const acc* q = query.const_data_ptr<acc>();
-  const acc* log_sum = lse.const_data_ptr<acc>();
+  const acc* mean = out.const_data_ptr<acc>();
+  const double* all_stats = stats.const_data_ptr<double>();
   scalar_t* gh = grad_hidden.data_ptr<scalar_t>();
   const auto sc = static_cast<acc>(scale);
   // Each text's share of the query gradient, summed over texts in order below: no atomics, same bits every run.
@@ -257,39 +341,49 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
       std::vector<int64_t> ls;
       rows_of(b).each([&](int64_t l) { ls.push_back(l); });
       const auto count = static_cast<int64_t>(ls.size());
-      // prob[hh * count + j] = p of the j-th valid row; coef holds a, then scale * p * (a - delta).
-      std::vector<acc> prob(block_heads * count), coef(block_heads * count), sums(2 * n, acc(0)),
-          delta(block_heads, acc(0));
-      acc* pa_rows = sums.data();     // sum_l p_l a_l x_l
-      acc* p_rows = sums.data() + n;  // sum_l p_l x_l
+      // prob[hh * count + j] = p of the j-th valid row; coef holds e, then scale * p * (e - S).
+      std::vector<acc> prob(block_heads * count), coef(block_heads * count);
+      // Running sums, per feature: sum_l p_l e_l (x_l - m) and sum_l p_l (x_l - m); per head: S = sum_l p_l e_l.
+      // Rows add into the current chunk's sums, folded into the totals every kChunkRows rows.
+      std::vector<acc> sums(2 * (2 * n + block_heads), acc(0));
+      acc* pe_rows = sums.data();
+      acc* p_rows = pe_rows + n;
+      acc* total_pe = p_rows + n;
+      acc* chunk = total_pe + block_heads;  // the same three, for the current chunk
       const scalar_t* text = h + b * sb + d0 * sd;
       const acc* gb = g + b * dim + d0;
       const acc* qb = q + d0;
-      const acc* text_lse = log_sum + b * heads + h0;
+      const acc* mb = mean + b * dim + d0;
+      const double* text_stats = all_stats + (b * heads + h0) * 2;
       const acc* gwb = gw != nullptr ? gw + (b * heads + h0) * seq_len : nullptr;
       for (int64_t j = 0; j < count; ++j) {
         const scalar_t* row = text + ls[j] * sl;
         for (int64_t hh = 0; hh < block_heads; ++hh) {
           const int64_t offset = hh * head_dim;
           const scalar_t* x = row + offset * sd;
-          const acc* ys[2] = {qb + offset, gb + offset};
-          acc d[2];
-          dots<2>(x, sd, ys, head_dim, d);
-          const acc p = std::exp(d[0] * sc - text_lse[hh]);
-          const acc a = d[1] + (gwb != nullptr ? gwb[hh * seq_len + ls[j]] : acc(0));
+          acc score_dot, centred_dot;
+          backward_dots(x, sd, qb + offset, mb + offset, gb + offset, head_dim, score_dot, centred_dot);
+          const acc p = probability(score_dot * sc, text_stats + 2 * hh);
+          const acc e = centred_dot + (gwb != nullptr ? gwb[hh * seq_len + ls[j]] : acc(0));
           prob[hh * count + j] = p;
-          coef[hh * count + j] = a;
-          delta[hh] += p * a;
-          add_scaled_twice(pa_rows + offset, p_rows + offset, p * a, p, x, sd, head_dim);
+          coef[hh * count + j] = e;
+          chunk[2 * n + hh] += p * e;
+          add_centred_twice(chunk + offset, chunk + n + offset, p * e, p, x, sd, mb + offset, head_dim);
+        }
+        if ((j + 1) % kChunkRows == 0 || j + 1 == count) {
+          for (int64_t i = 0; i < 2 * n + block_heads; ++i) {
+            pe_rows[i] += chunk[i];
+            chunk[i] = acc(0);
+          }
         }
       }
       acc* part = query_parts.data() + b * dim + d0;
       for (int64_t hh = 0; hh < block_heads; ++hh) {
         for (int64_t i = hh * head_dim; i < (hh + 1) * head_dim; ++i) {
-          part[i] = sc * (pa_rows[i] - delta[hh] * p_rows[i]);
+          part[i] = sc * (pe_rows[i] - total_pe[hh] * p_rows[i]);
         }
         for (int64_t j = hh * count; j < (hh + 1) * count; ++j) {
-          coef[j] = sc * prob[j] * (coef[j] - delta[hh]);
+          coef[j] = sc * prob[j] * (coef[j] - total_pe[hh]);
         }
       }
       // Every row of the block once, in order: the valid rows from the sums above, zeros elsewhere.
@@ -325,17 +419,17 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
 }  // namespace
 
 void attention_forward(const at::Tensor& hidden, const at::Tensor& valid, const at::Tensor& query, double scale,
-                       at::Tensor& out, at::Tensor& lse, at::Tensor& weights) {
+                       at::Tensor& out, at::Tensor& stats, at::Tensor& weights) {
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "attention_pool", [&] {
-    attention_forward_typed<scalar_t>(hidden, valid, query, scale, out, lse, weights);
+    attention_forward_typed<scalar_t>(hidden, valid, query, scale, out, stats, weights);
   });
 }
 
 void attention_backward(const at::Tensor& grad, const at::Tensor& grad_weights, const at::Tensor& hidden,
-                        const at::Tensor& valid, const at::Tensor& query, const at::Tensor& lse, double scale,
-                        at::Tensor& grad_hidden, at::Tensor& grad_query) {
+                        const at::Tensor& valid, const at::Tensor& query, const at::Tensor& out,
+                        const at::Tensor& stats, double scale, at::Tensor& grad_hidden, at::Tensor& grad_query) {
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "attention_pool_backward", [&] {
-    attention_backward_typed<scalar_t>(grad, grad_weights, hidden, valid, query, lse, scale, grad_hidden,
+    attention_backward_typed<scalar_t>(grad, grad_weights, hidden, valid, query, out, stats, scale, grad_hidden,
                                        grad_query);
   });
 }

@@ -20,16 +20,17 @@ struct PoolKernels {
   void (*max_backward)(const at::Tensor& grad, const at::Tensor& argmax, at::Tensor& grad_hidden);
   // Attention pooling (attention_kernels.cpp). hidden [B, L, D] with any strides, B, L, D > 0; valid: bool [B, L]
   // contiguous, or undefined for every row; query [H, D / H] contiguous in the accumulation type. Writes every
-  // element of out [B, D] (hidden's dtype) and lse [B, H] (accumulation type; -inf for a text with no valid row),
-  // and, when weights [B, H, L] (accumulation type, zero-filled) is defined, the probabilities of the valid rows.
+  // element of out [B, D] (hidden's dtype), the softmax statistics stats [B, H, 2] (float64 {max score, sum of
+  // exp(score - max)}) of every text with a valid row (the caller fills them with -inf first) and, when
+  // weights [B, H, L] (accumulation type, zero-filled) is defined, the probabilities of the valid rows.
   void (*attention_forward)(const at::Tensor& hidden, const at::Tensor& valid, const at::Tensor& query, double scale,
-                            at::Tensor& out, at::Tensor& lse, at::Tensor& weights);
-  // grad [B, D] and grad_weights [B, H, L] (or undefined) contiguous in the accumulation type; lse as the forward
-  // wrote it. Writes every element of grad_hidden [B, L, D] (hidden's dtype, contiguous) and of grad_query
-  // [H, D / H] (accumulation type).
+                            at::Tensor& out, at::Tensor& stats, at::Tensor& weights);
+  // grad [B, D], grad_weights [B, H, L] (or undefined) and out [B, D] (the forward's output) contiguous in the
+  // accumulation type; stats as the forward wrote them. Writes every element of grad_hidden [B, L, D] (hidden's dtype,
+  // contiguous) and of grad_query [H, D / H] (accumulation type).
   void (*attention_backward)(const at::Tensor& grad, const at::Tensor& grad_weights, const at::Tensor& hidden,
-                             const at::Tensor& valid, const at::Tensor& query, const at::Tensor& lse, double scale,
-                             at::Tensor& grad_hidden, at::Tensor& grad_query);
+                             const at::Tensor& valid, const at::Tensor& query, const at::Tensor& out,
+                             const at::Tensor& stats, double scale, at::Tensor& grad_hidden, at::Tensor& grad_query);
 };
 
 // The kernels for the CPU capability that at::get_cpu_capability() selects (ATEN_CPU_CAPABILITY overrides it).

@@ -132,20 +132,22 @@ def _landmark_gather_backward_backward(ctx, grad_grad_hidden):
     return ops.landmark_gather(grad_grad_hidden, positions), None, None
 
 
-# attention_pool: the backward recomputes the probabilities from hidden, query and the saved log-sum-exp, and
-# returns the gradients of hidden and of query (the weights' gradient joins in when they were returned).
+# attention_pool: the backward recomputes the probabilities from hidden, query and the saved softmax statistics
+# ([B, H, 2]: max score and sum of exp(score - max)), works relative to the output [B, D] for accuracy, and returns the gradients
+# of hidden and of query (the weights' gradient joins in when they were returned).
 def _attention_pool_setup(ctx, inputs, output):
     hidden, mask, query, scale, return_weights = inputs
-    _, lse, _ = output
+    out, stats, _ = output
     ctx.scale, ctx.return_weights = scale, return_weights
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(hidden, mask, query, lse)
+    ctx.mark_non_differentiable(stats)
+    ctx.save_for_backward(hidden, mask, query, out, stats)
 
 
-def _attention_pool_backward(ctx, grad, _grad_lse, grad_weights):
-    hidden, mask, query, lse = ctx.saved_tensors
+def _attention_pool_backward(ctx, grad, _grad_stats, grad_weights):
+    hidden, mask, query, out, stats = ctx.saved_tensors
     grad_weights = grad_weights if ctx.return_weights else None
-    grad_hidden, grad_query = ops.attention_pool_backward(grad, grad_weights, hidden, mask, query, lse, ctx.scale)
+    grad_hidden, grad_query = ops.attention_pool_backward(grad, grad_weights, hidden, mask, query, out, stats,
+                                                          ctx.scale)
     return grad_hidden, None, grad_query, None, None
 
 
@@ -153,7 +155,7 @@ def _attention_pool_backward(ctx, grad, _grad_lse, grad_weights):
 # (gradient penalties, Hessian-vector products): they run through the plain-PyTorch reference, recomputed in the
 # accumulation type. Correct rather than fused.
 def _attention_pool_backward_setup(ctx, inputs, output):
-    grad, grad_weights, hidden, mask, query, _, scale = inputs
+    grad, grad_weights, hidden, mask, query, _, _, scale = inputs
     ctx.scale, ctx.has_grad_weights = scale, grad_weights is not None
     ctx.save_for_backward(grad, grad_weights, hidden, mask, query)
 
@@ -176,7 +178,7 @@ def _attention_pool_backward_backward(ctx, grad_grad_hidden, grad_grad_query):
     found = [torch.zeros_like(t) if f is None else f for f, t in zip(found, leaves)]
     d_grad, d_hidden, d_query = (f.to(t.dtype) for f, t in zip(found[:3], (grad, hidden, query)))
     d_grad_weights = found[3].to(grad_weights.dtype) if ctx.has_grad_weights else None
-    return d_grad, d_grad_weights, d_hidden, None, d_query, None, None
+    return d_grad, d_grad_weights, d_hidden, None, d_query, None, None, None
 
 
 for _name, _backward, _setup in [

@@ -98,18 +98,19 @@ def _attention_pool_fake(hidden, mask, query, scale=None, return_weights=False):
     wide = _wide(hidden.dtype)
     batch, seq_len = hidden.shape[0], hidden.shape[1]
     weights = hidden.new_empty((batch, heads, seq_len) if return_weights else (0,), dtype=wide)
-    return _pooled(hidden), hidden.new_empty((batch, heads), dtype=wide), weights
+    return _pooled(hidden), hidden.new_empty((batch, heads, 2), dtype=torch.float64), weights
 
 
 @torch.library.register_fake("lmk_ops::attention_pool_backward")
-def _attention_pool_backward_fake(grad_out, grad_weights, hidden, mask, query, lse, scale=None):
+def _attention_pool_backward_fake(grad_out, grad_weights, hidden, mask, query, out, stats, scale=None):
     op = "attention_pool_backward"
     check_hidden(op, hidden)
     heads, _ = check_query(op, query, hidden)
     check_scale(op, scale)
     batch, seq_len, dim = hidden.shape
     check_float_tensor(op, "grad_out", grad_out, (batch, dim), hidden)
-    check_float_tensor(op, "lse", lse, (batch, heads), hidden)
+    check_float_tensor(op, "out", out, (batch, dim), hidden)
+    check_float_tensor(op, "stats", stats, (batch, heads, 2), hidden)
     if grad_weights is not None:
         check_float_tensor(op, "grad_weights", grad_weights, (batch, heads, seq_len), hidden)
     check_mask(op, mask, batch, seq_len, hidden)

@@ -1,0 +1,265 @@
+"""attention_pool against lmk_ops.reference: output, weights and both gradients (hidden and query) over random
+shapes, heads, masks, dtypes and layouts; the contracts its docstring names; the modules; a short training run."""
+
+import pytest
+import torch
+from hypothesis import given
+
+import lmk_ops
+from lmk_ops import reference
+from lmk_ops.nn import AttentionPooling, Pooling
+from parity import assert_matches
+from strategies import attention_cases
+
+
+def _run(fn, hidden, mask, query, grad, grad_weights, scale=None, return_weights=False):
+    """The outputs of fn and the gradients of (outputs . upstream) w.r.t. hidden and query."""
+    h, q = hidden.detach().requires_grad_(), query.detach().requires_grad_()
+    result = fn(h, mask, q, scale=scale, return_weights=return_weights)
+    outputs = result if return_weights else (result,)
+    upstream = (grad, grad_weights) if return_weights else (grad,)
+    grad_h, grad_q = torch.autograd.grad(outputs, (h, q), upstream)
+    return [o.detach() for o in outputs] + [grad_h, grad_q]
+
+
+# float32 is held to the same rule as float16/bfloat16: against a float64 oracle, at most twice the error of the
+# reference computed in float32, plus the error budget of rounding the scores. A peaked softmax turns each score's
+# rounding (a few ulps of |score|) into output error; the float32 reference suffers the same, but its particular
+# roundings can be luckier than ours (or the other way round), so twice its error alone would make a flaky test.
+RULE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _score_rounding_budget(case, oracle_value: torch.Tensor) -> float:
+    """4 float32 ulps of the largest score's bound |scale| * sum_d |x_d q_d|, times the output's magnitude."""
+    batch, seq_len, dim = case.hidden.shape
+    query = case.query.double().reshape(-1, case.query.shape[-1])
+    heads = query.shape[0]
+    scale = case.scale if case.scale is not None else (dim // heads) ** -0.5
+    states = case.hidden.double().reshape(batch, seq_len, heads, dim // heads).abs()
+    bound = abs(scale) * torch.einsum("blhd,hd->bhl", states, query.abs()).max().item()
+    return 4 * torch.finfo(torch.float32).eps * bound * max(1.0, oracle_value.abs().max().item())
+
+
+def _check_case(case):
+    names = ["forward", *(["weights"] if case.return_weights else []), "grad hidden", "grad query"]
+    options = {"scale": case.scale, "return_weights": case.return_weights}
+    args = (case.hidden, case.mask, case.query, case.grad, case.grad_weights)
+    ours = _run(lmk_ops.attention_pool, *args, **options)
+    oracle = _run(reference.attention_pool, *(t.double() if t is not None and t.is_floating_point() else t
+                                              for t in args), **options)
+    same_dtype = _run(reference.attention_pool, *args, **options)
+    for name, got, want, ref in zip(names, ours, oracle, same_dtype):
+        slack = _score_rounding_budget(case, want) if got.dtype == torch.float32 else 0.0
+        assert_matches(f"attention_pool {name}", got, want, ref, RULE_DTYPES, slack)
+
+
+@given(case=attention_cases())
+def test_matches_reference(case):
+    inputs = [t for t in (case.hidden, case.mask, case.query) if t is not None]
+    before = [t.clone() for t in inputs]
+    _check_case(case)
+    for t, b in zip(inputs, before):
+        assert torch.equal(t, b), "an input tensor was modified"
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4, 8, 12])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_every_head_count_in_every_dtype(heads, dtype):
+    gen = torch.Generator().manual_seed(heads)
+    hidden = torch.randn(4, 67, 96, generator=gen).to(dtype)
+    mask = torch.rand(4, 67, generator=gen) < 0.7
+    query = torch.randn(heads, 96 // heads, generator=gen)
+    grad = torch.randn(4, 96, generator=gen).to(dtype)
+    from strategies import AttentionCase
+
+    _check_case(AttentionCase(hidden, mask, query, None, True, grad, torch.randn(4, heads, 67, generator=gen)))
+
+
+def test_heads_pool_their_own_slices():
+    # Head h sees only features [h * D/H, (h+1) * D/H): changing another head's slice leaves its output alone.
+    hidden = torch.randn(2, 9, 12)
+    query = torch.randn(3, 4)
+    out = lmk_ops.attention_pool(hidden, None, query)
+    changed = hidden.clone()
+    changed[:, :, 4:8] += torch.randn(2, 9, 4)
+    again = lmk_ops.attention_pool(changed, None, query)
+    assert torch.equal(out[:, :4], again[:, :4]) and torch.equal(out[:, 8:], again[:, 8:])
+    assert not torch.equal(out[:, 4:8], again[:, 4:8])
+    for h in range(3):
+        alone = lmk_ops.attention_pool(hidden[:, :, 4 * h:4 * h + 4], None, query[h], scale=0.5)
+        torch.testing.assert_close(lmk_ops.attention_pool(hidden, None, query, scale=0.5)[:, 4 * h:4 * h + 4], alone)
+
+
+def test_zero_query_is_mean_pooling_and_weights_sum_to_one():
+    hidden = torch.randn(3, 20, 16, dtype=torch.float64)
+    mask = torch.rand(3, 20) < 0.6
+    mask[0, 0] = True
+    out, weights = lmk_ops.attention_pool(hidden, mask, torch.zeros(16, dtype=torch.float64), return_weights=True)
+    torch.testing.assert_close(out, lmk_ops.mean_pool(hidden, mask))
+    assert weights.shape == (3, 20) and weights.dtype == torch.float64
+    torch.testing.assert_close(weights.sum(1), torch.ones(3, dtype=torch.float64))
+    assert torch.equal(weights[~mask], torch.zeros_like(weights[~mask]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_text_without_valid_tokens_gives_zeros_and_zero_grad(dtype):
+    hidden = torch.randn(3, 5, 8).to(dtype)
+    query = torch.randn(2, 4)
+    mask = torch.tensor([[1, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
+    h, q = hidden.clone().requires_grad_(), query.clone().requires_grad_()
+    out, weights = lmk_ops.attention_pool(h, mask, q, return_weights=True)
+    assert torch.equal(out[1], torch.zeros(8, dtype=dtype)) and torch.equal(weights[1], torch.zeros(2, 5))
+    (out.float().sum() + weights.sum()).backward()
+    assert torch.equal(h.grad[1], torch.zeros(5, 8, dtype=dtype))
+    assert h.grad.isfinite().all() and q.grad.isfinite().all()
+    # The query's gradient comes from the other texts only.
+    q_rest = query.clone().requires_grad_()
+    out_rest, weights_rest = lmk_ops.attention_pool(hidden[[0, 2]], mask[[0, 2]], q_rest, return_weights=True)
+    (out_rest.float().sum() + weights_rest.sum()).backward()
+    torch.testing.assert_close(q.grad, q_rest.grad)
+    # No valid token anywhere: the query gets a zero gradient.
+    q_none = query.clone().requires_grad_()
+    lmk_ops.attention_pool(hidden, torch.zeros(3, 5, dtype=torch.bool), q_none).sum().backward()
+    assert torch.equal(q_none.grad, torch.zeros(2, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("magnitude", [1e2, 1e4])
+def test_extreme_scores_in_half_precision_do_not_overflow(dtype, magnitude):
+    # Scores up to ~1e10: far past float16's range, and exp() of them far past float32's. The online softmax keeps
+    # every exponent <= 0 and the scores in float32, so the result matches the float32 oracle.
+    gen = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(4, 50, 64, generator=gen) * magnitude).to(dtype)
+    mask = torch.rand(4, 50, generator=gen) < 0.8
+    query = torch.randn(4, 16, generator=gen) * magnitude
+    grad = torch.randn(4, 64, generator=gen).to(dtype)
+    ours = _run(lmk_ops.attention_pool, hidden, mask, query, grad, None)
+    oracle = _run(reference.attention_pool, hidden.float(), mask, query, grad.float(), None)
+    for name, got, want in zip(["forward", "grad hidden", "grad query"], ours, oracle):
+        assert got.isfinite().all(), f"{name}: not finite"
+        torch.testing.assert_close(got, want.to(got.dtype), msg=lambda m: f"{name}: {m}")
+
+
+def test_very_negative_and_very_large_scores_in_float32():
+    # Scores around -3e37 (every exp() of them is 0 without the running maximum) and +3e37.
+    hidden = torch.full((2, 6, 4), -1e18)
+    hidden[0, 2] = -0.5e18
+    hidden[1] *= -1
+    query = torch.full((4,), 1e19)
+    out, weights = lmk_ops.attention_pool(hidden, None, query, return_weights=True)
+    ref_out, ref_weights = reference.attention_pool(hidden, None, query, return_weights=True)
+    assert out.isfinite().all() and weights.isfinite().all()
+    assert weights[0, 2] == 1 and torch.equal(out[0], hidden[0, 2])
+    torch.testing.assert_close(weights, ref_weights)
+    torch.testing.assert_close(out, ref_out)
+
+
+def test_nan_in_a_valid_token_propagates_and_in_padding_does_not():
+    hidden = torch.randn(2, 4, 6)
+    hidden[0, 1, 2] = float("nan")
+    hidden[1, 3] = float("nan")
+    out = lmk_ops.attention_pool(hidden, torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]), torch.randn(6))
+    assert out[0].isnan().all() and out[1].isfinite().all()
+
+
+def test_padding_side_batch_and_thread_count_do_not_change_the_bits():
+    text = torch.randn(1, 37, 768, dtype=torch.bfloat16)
+    query = torch.randn(12, 64)
+    alone = lmk_ops.attention_pool(text, None, query)
+    right = torch.randn(5, 64, 768, dtype=torch.bfloat16)
+    right[2, :37] = text[0]
+    right_mask = torch.zeros(5, 64, dtype=torch.long)
+    right_mask[:, :37] = 1
+    left = torch.randn(5, 64, 768, dtype=torch.bfloat16)
+    left[3, -37:] = text[0]
+    assert torch.equal(lmk_ops.attention_pool(right, right_mask, query)[2], alone[0])
+    assert torch.equal(lmk_ops.attention_pool(left, right_mask.flip(1), query)[3], alone[0])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = _run(lmk_ops.attention_pool, right, right_mask, query, torch.ones(5, 768, dtype=torch.bfloat16), None)
+    finally:
+        torch.set_num_threads(threads)
+    again = _run(lmk_ops.attention_pool, right, right_mask, query, torch.ones(5, 768, dtype=torch.bfloat16), None)
+    for a, b in zip(single, again):
+        assert torch.equal(a, b)
+
+
+def test_query_dtype_is_independent_of_hidden_dtype():
+    # A float32 query (a module's parameter) with bfloat16 states, as under mixed precision: the gradient comes back
+    # in float32, and the result equals that of the query rounded to nothing (it is used in float32 either way).
+    hidden = torch.randn(2, 10, 8, dtype=torch.bfloat16)
+    query = torch.randn(8, requires_grad=True)
+    out = lmk_ops.attention_pool(hidden, None, query)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert query.grad.dtype == torch.float32
+    torch.testing.assert_close(out, lmk_ops.attention_pool(hidden, None, query.detach().double()))
+
+
+def test_attention_pooling_module_starts_as_mean_pooling_and_learns():
+    module = AttentionPooling(32, heads=4)
+    assert module.query.shape == (4, 8) and torch.equal(module.query, torch.zeros(4, 8))
+    hidden = torch.randn(3, 9, 32)
+    mask = torch.rand(3, 9) < 0.7
+    mask[:, 0] = True
+    out = module(hidden, {"attention_mask": mask})
+    torch.testing.assert_close(out, lmk_ops.mean_pool(hidden, mask))
+    out.square().sum().backward()
+    assert module.query.grad.abs().sum() > 0, "the query must get a gradient at its zero initialisation"
+    pooled, weights = module(hidden, attention_mask=mask, return_weights=True)
+    assert weights.shape == (3, 4, 9)
+    assert "dim=32, heads=4" in repr(module)
+    with pytest.raises(ValueError, match="heads >= 1 dividing dim"):
+        AttentionPooling(30, heads=4)
+
+
+def test_pooling_attention_mode():
+    pooling = Pooling("attention", dim=16, heads=2, normalize=True)
+    hidden = torch.randn(2, 5, 16)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    out = pooling(hidden, {"attention_mask": mask})
+    torch.testing.assert_close(out, torch.nn.functional.normalize(lmk_ops.mean_pool(hidden, mask), dim=-1))
+    assert [name for name, _ in pooling.named_parameters()] == ["attention.query"]
+    with pytest.raises(ValueError, match="expected dim"):
+        Pooling("attention")
+    with pytest.raises(ValueError, match="expected dim"):
+        Pooling("mean", dim=16)
+
+
+class _TinyEncoder(torch.nn.Module):
+    """Embeddings, one linear layer and attention pooling, then a classifier: small enough to train in a test."""
+
+    def __init__(self, pool_fn, vocab=50, dim=24, heads=3, classes=3):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.mix = torch.nn.Linear(dim, dim)
+        self.pool = AttentionPooling(dim, heads)
+        self.head = torch.nn.Linear(dim, classes)
+        self.pool_fn = pool_fn
+
+    def forward(self, ids, mask):
+        states = torch.tanh(self.mix(self.embed(ids)))
+        return self.head(self.pool_fn(states, mask, self.pool.query))
+
+
+def test_training_gives_the_same_losses_as_the_reference():
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (16, 30), generator=gen)
+    mask = torch.arange(30) < torch.randint(1, 31, (16, 1), generator=gen)
+    labels = torch.randint(0, 3, (16,), generator=gen)
+    losses = {}
+    for name, fn in (("lmk_ops", lmk_ops.attention_pool), ("reference", reference.attention_pool)):
+        torch.manual_seed(0)
+        model = _TinyEncoder(fn)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+        losses[name] = []
+        for _ in range(8):
+            loss = torch.nn.functional.cross_entropy(model(ids, mask), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses[name].append(loss.item())
+        assert model.pool.query.abs().sum() > 0, "the query did not move"
+    torch.testing.assert_close(torch.tensor(losses["lmk_ops"]), torch.tensor(losses["reference"]), rtol=1e-4, atol=1e-5)
+    assert losses["lmk_ops"][-1] < losses["lmk_ops"][0], "the model did not learn"

@@ -8,6 +8,9 @@ import lmk_ops
 from parity import OPS
 
 POOLS = {op: ours for op, (ours, _) in OPS.items()}
+# attention_pool with a query that fits hidden, so that the hidden and mask checks are the ones that fire.
+POOLS["attention_pool"] = lambda hidden, mask: lmk_ops.attention_pool(
+    hidden, mask, torch.zeros(hidden.shape[-1], device=hidden.device))
 
 # (description, hidden, mask, message pattern after "lmk_ops.<op>: ")
 BAD_INPUTS = [
@@ -133,3 +136,62 @@ def test_landmark_mean_under_compile_reports_the_error():
     compiled = torch.compile(lmk_ops.landmark_mean, fullgraph=True)
     with pytest.raises(Exception, match=r"lmk_ops\.landmark_mean: expected a landmark mask of shape \[B, L\] = \[2, 3\], got \[2, 4\]"):
         compiled(torch.randn(2, 3, 4), torch.ones(2, 4, dtype=torch.bool))
+
+
+# (description, hidden [2, 3, 12], query, keywords, message pattern after "lmk_ops.attention_pool: ")
+BAD_QUERIES = [
+    ("query too short", lambda: torch.randn(11), {}, r"expected query of shape \[D\] = \[12\] \(one head\) or "
+     r"\[H, D / H\] with H \* \(D / H\) = 12 \(H heads\), got \[11\]"),
+    ("heads not dividing D", lambda: torch.randn(5, 2), {}, r"expected query of shape .* got \[5, 2\]"),
+    ("3-D query", lambda: torch.randn(2, 3, 2), {}, r"expected query of shape .* got \[2, 3, 2\]"),
+    ("no heads", lambda: torch.randn(0, 5), {}, r"expected query of shape .* got \[0, 5\]"),
+    ("integer query", lambda: torch.ones(12, dtype=torch.long), {}, r"expected query of dtype float16, bfloat16, "
+     r"float32 or float64, got Long"),
+    ("infinite scale", lambda: torch.randn(12), {"scale": float("inf")}, r"expected a finite scale, got inf"),
+    ("NaN scale", lambda: torch.randn(12), {"scale": float("nan")}, r"expected a finite scale, got nan"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_QUERIES, ids=[c[0] for c in BAD_QUERIES])
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_bad_attention_queries(case, device):
+    _, make_query, options, pattern = case
+    with pytest.raises(RuntimeError, match=rf"^lmk_ops\.attention_pool: {pattern}"):
+        lmk_ops.attention_pool(torch.randn(2, 3, 12, device=device), None, make_query().to(device), **options)
+
+
+def test_attention_needs_features_and_a_query_on_the_same_device():
+    with pytest.raises(RuntimeError, match=r"^lmk_ops\.attention_pool: expected hidden with D > 0 features "
+                                           r"\(attention scores need them\), got shape \[2, 3, 0\]"):
+        lmk_ops.attention_pool(torch.randn(2, 3, 0), None, torch.randn(0))
+    with pytest.raises(RuntimeError, match=r"^lmk_ops\.attention_pool: expected query on the same device as hidden "
+                                           r"\(cpu\), got meta"):
+        lmk_ops.attention_pool(torch.randn(2, 3, 4), None, torch.randn(4, device="meta"))
+
+
+def test_attention_errors_under_compile():
+    compiled = torch.compile(lmk_ops.attention_pool, fullgraph=True)
+    with pytest.raises(Exception, match=r"lmk_ops\.attention_pool: expected query of shape .* got \[5\]"):
+        compiled(torch.randn(2, 3, 4), None, torch.randn(5))
+
+
+def test_attention_backward_op_checks_its_inputs():
+    op = torch.ops.lmk_ops.attention_pool_backward
+    hidden, query = torch.randn(2, 3, 4), torch.randn(2, 2)
+    out, stats, _ = torch.ops.lmk_ops.attention_pool(hidden, None, query)
+    grad = torch.randn(2, 4)
+    for device in ("cpu", "meta"):
+        args = [t.to(device) for t in (grad, hidden, query, out, stats)]
+        g, h, q, o, st = args
+        with pytest.raises(RuntimeError, match=r"^lmk_ops\.attention_pool_backward: expected grad_out of a floating "
+                                               r"dtype and shape \[2, 4\], got Float of shape \[2, 5\]"):
+            op(torch.randn(2, 5, device=device), None, h, None, q, o, st)
+        with pytest.raises(RuntimeError, match=r"^lmk_ops\.attention_pool_backward: expected stats of a floating "
+                                               r"dtype and shape \[2, 2, 2\], got Double of shape \[2, 2\]"):
+            op(g, None, h, None, q, o, st[..., 0])
+        with pytest.raises(RuntimeError, match=r"^lmk_ops\.attention_pool_backward: expected grad_weights of a "
+                                               r"floating dtype and shape \[2, 2, 3\], got Float of shape \[2, 3\]"):
+            op(g, torch.randn(2, 3, device=device), h, None, q, o, st)
+        with pytest.raises(RuntimeError, match=r"^lmk_ops\.attention_pool_backward: expected out of a floating "
+                                               r"dtype and shape \[2, 4\], got Long"):
+            op(g, None, h, None, q, o.long(), st)

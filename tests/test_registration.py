@@ -139,7 +139,8 @@ def test_mismatched_torch_build_raises_a_clear_import_error(monkeypatch):
 
 
 def test_public_api_is_documented():
-    for fn in (lmk_ops.mean_pool, lmk_ops.max_pool, lmk_ops.landmark_mean, lmk_ops.landmark_gather):
+    for fn in (lmk_ops.mean_pool, lmk_ops.max_pool, lmk_ops.landmark_mean, lmk_ops.landmark_gather,
+               lmk_ops.attention_pool):
         assert "Returns" in fn.__doc__ and "Raises" in fn.__doc__ and "{" not in fn.__doc__
     assert "Keys" in lmk_ops.build_info.__doc__ and lmk_ops.landmark_positions.__doc__
 
@@ -155,3 +156,89 @@ def test_compile_fullgraph_landmark_positions_and_gather():
         torch.testing.assert_close(got, want)
     grads = torch.autograd.grad(compiled(hidden, POSITIONS)[1].sum(), hidden)
     torch.testing.assert_close(grads[0], torch.autograd.grad(model(hidden, POSITIONS)[1].sum(), hidden)[0])
+
+
+# attention_pool inputs: D = 12 (so that 1, 2, 3, 4 and 6 heads fit) and _inputs' mask.
+def _attention_inputs(dtype=torch.float32, heads=3):
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(3, 11, 12, generator=gen, dtype=dtype).requires_grad_()
+    query = torch.randn(heads, 12 // heads, generator=gen, dtype=dtype).requires_grad_()
+    return hidden, _inputs()[1], query
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask_kind", ["none", "int", "bool"])
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_opcheck_attention_ops(dtype, mask_kind, return_weights):
+    hidden, mask, query = _attention_inputs(dtype)
+    mask = {"none": None, "int": mask, "bool": mask.bool()}[mask_kind]
+    torch.library.opcheck(ops.attention_pool.default, (hidden, mask, query, None, return_weights))
+    torch.library.opcheck(ops.attention_pool.default, (hidden, mask, query[0].repeat(3), 0.7, return_weights))
+    out, stats, weights = ops.attention_pool(hidden.detach(), mask, query.detach(), None, True)
+    grad = torch.randn(3, 12, dtype=dtype, requires_grad=True)
+    grad_weights = torch.randn_like(weights).requires_grad_() if return_weights else None
+    torch.library.opcheck(ops.attention_pool_backward.default,
+                          (grad, grad_weights, hidden, mask, query, out, stats, None))
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+@pytest.mark.parametrize("return_weights", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_gradcheck_and_gradgradcheck_float64(heads, return_weights, masked):
+    hidden, mask, query = _attention_inputs(torch.float64, heads)
+    mask = mask if masked else None
+    query = query.detach().flatten().requires_grad_() if heads == 1 else query
+
+    def fn(h, q):
+        return lmk_ops.attention_pool(h, mask, q, return_weights=return_weights)
+
+    assert torch.autograd.gradcheck(fn, (hidden, query))
+    assert torch.autograd.gradgradcheck(fn, (hidden, query))
+
+
+def test_attention_gradients_are_wired():
+    hidden, mask, query = _attention_inputs()
+    out, weights = lmk_ops.attention_pool(hidden, mask, query, return_weights=True)
+    (out * torch.randn(out.shape)).sum().backward()
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0
+    assert query.grad is not None and query.grad.abs().sum() > 0
+    hidden.grad = query.grad = None
+    _, weights = lmk_ops.attention_pool(hidden, mask, query, return_weights=True)
+    (weights * torch.randn(weights.shape)).sum().backward()  # the weights alone carry gradient too
+    assert hidden.grad.abs().sum() > 0 and query.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_attention_compile_fullgraph_matches_eager(dynamic, return_weights):
+    torch._dynamo.reset()
+    weight = torch.randn(12, 12, requires_grad=True)
+    query = torch.randn(4, 3, requires_grad=True)
+
+    def model(hidden, mask):
+        result = lmk_ops.attention_pool(hidden @ weight, mask, query, return_weights=return_weights)
+        out = result[0] if return_weights else result
+        loss = torch.nn.functional.normalize(out, dim=-1).square().sum()
+        return loss + result[1].square().sum() if return_weights else loss
+
+    compiled = torch.compile(model, fullgraph=True, dynamic=dynamic)
+    for seq_len in (11, 17):
+        hidden = torch.randn(3, seq_len, 12, requires_grad=True)
+        mask = torch.rand(3, seq_len) < 0.7
+        eager = model(hidden, mask)
+        eager_grads = torch.autograd.grad(eager, (hidden, weight, query))
+        got = compiled(hidden, mask)
+        grads = torch.autograd.grad(got, (hidden, weight, query))
+        torch.testing.assert_close(got, eager)
+        for g, e in zip(grads, eager_grads):
+            torch.testing.assert_close(g, e)
+
+
+def test_attention_pooling_module_compiles():
+    torch._dynamo.reset()
+    module = lmk_ops.nn.AttentionPooling(12, heads=4)
+    torch.nn.init.normal_(module.query)
+    hidden = torch.randn(3, 11, 12)
+    mask = torch.rand(3, 11) < 0.7
+    compiled = torch.compile(module, fullgraph=True)
+    torch.testing.assert_close(compiled(hidden, attention_mask=mask), module(hidden, attention_mask=mask))

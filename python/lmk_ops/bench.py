@@ -25,7 +25,9 @@ OPS = {"mean_pool": (lmk_ops.mean_pool, reference.mean_pool), "max_pool": (lmk_o
 # Report entries beyond OPS: landmark_mean at a landmark interval (its second argument is the landmark mask of the
 # LMK layout at that interval), and insert_landmarks on a token batch of the case's B x L.
 LANDMARK_ENTRIES = {"landmark_mean@32": 32, "landmark_mean@128": 128}
-REPORT_OPS = [*OPS, *LANDMARK_ENTRIES, "insert_landmarks"]
+# attention_pool with a query of that many heads (in hidden's dtype); forward+backward differentiates the query too.
+ATTENTION_ENTRIES = {"attention_pool@1h": 1, "attention_pool@12h": 12}
+REPORT_OPS = [*OPS, *LANDMARK_ENTRIES, *ATTENTION_ENTRIES, "insert_landmarks"]
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 DEFAULT_SHAPES = "32x512x768,8x4096x1024"
 
@@ -48,14 +50,26 @@ def landmark_layout(mask: torch.Tensor, interval: int) -> torch.Tensor:
     return mask.bool() & (((positions % (interval + 1) == 0) & (positions > 0)) | (positions == last))
 
 
+def _with_query(fn):
+    """fn(hidden, mask, query) as f(hidden, (mask, query)), the two-argument form the report times."""
+    return lambda hidden, mask_and_query: fn(hidden, *mask_and_query)
+
+
 def implementations(op: str) -> dict:
     """The three contenders for an op: lmk_ops, the eager reference, and torch.compile of the reference."""
-    ours, ref = OPS[op] if op in OPS else (lmk_ops.landmark_mean, reference.landmark_mean)
+    if op in OPS:
+        ours, ref = OPS[op]
+    elif op in ATTENTION_ENTRIES:
+        ours, ref = _with_query(lmk_ops.attention_pool), _with_query(reference.attention_pool)
+    else:
+        ours, ref = lmk_ops.landmark_mean, reference.landmark_mean
     return {"lmk_ops": ours, "eager": ref, "compiled": torch.compile(ref, dynamic=False)}
 
 
-def forward_backward(fn, hidden, mask, grad):
-    return torch.autograd.grad(fn(hidden, mask), hidden, grad)
+def forward_backward(fn, hidden, second, grad):
+    """The gradients of fn(hidden, second) w.r.t. hidden and any tensor of a tuple `second` that requires one."""
+    extra = [t for t in second if isinstance(t, torch.Tensor) and t.requires_grad] if isinstance(second, tuple) else []
+    return torch.autograd.grad(fn(hidden, second), [hidden, *extra], grad)
 
 
 def time_ms(fn, device: str, min_time=0.25, min_reps=5, max_reps=100, warmup=2) -> float:
@@ -133,29 +147,36 @@ def bench_case(op, dtype_name, shape, device, padding) -> list[Row]:
         return bench_insert_landmarks(shape, device, padding)
     dtype = DTYPES[dtype_name]
     hidden, mask = make_inputs(shape, dtype, device, padding)
-    second = landmark_layout(mask, LANDMARK_ENTRIES[op]) if op in LANDMARK_ENTRIES else mask
+    rows = landmark_layout(mask, LANDMARK_ENTRIES[op]) if op in LANDMARK_ENTRIES else mask  # the rows read
+    second = rows
+    if op in ATTENTION_ENTRIES:
+        heads = ATTENTION_ENTRIES[op]
+        query = torch.randn(heads, shape[2] // heads, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+        second = (mask, query)
     impls = implementations(op)
     floor_before = time_ms(lambda: hidden.sum(), device)
-    valid_bytes = hidden.element_size() * shape[2] * int((second != 0).sum())
+    valid_bytes = hidden.element_size() * shape[2] * int((rows != 0).sum())
     shape_str = "x".join(map(str, shape))
-    rows = []
+    results = []
     with torch.no_grad():
         times = {name: time_ms(lambda f=f: f(hidden, second), device) for name, f in impls.items()}
         mean_pool_ms = time_ms(lambda: lmk_ops.mean_pool(hidden, mask), device) if op in LANDMARK_ENTRIES else None
     # The floor is timed on both sides of the contenders and the faster kept, so that one slow sample cannot make
     # lmk_ops look closer to it than it is.
     floor = min(floor_before, time_ms(lambda: hidden.sum(), device))
-    rows.append(Row(op, dtype_name, shape_str, "forward", times["lmk_ops"], times["eager"], times["compiled"], floor,
-                    valid_bytes / times["lmk_ops"] / 1e6, mean_pool_ms))
+    results.append(Row(op, dtype_name, shape_str, "forward", times["lmk_ops"], times["eager"], times["compiled"],
+                       floor, valid_bytes / times["lmk_ops"] / 1e6, mean_pool_ms))
     h = hidden.clone().requires_grad_()
+    if op in ATTENTION_ENTRIES:
+        second = (mask, query.clone().requires_grad_())
     grad = torch.randn(shape[0], shape[2], device=device, dtype=dtype)
     times = {name: time_ms(lambda f=f: forward_backward(f, h, second, grad), device) for name, f in impls.items()}
-    rows.append(Row(op, dtype_name, shape_str, "forward+backward", times["lmk_ops"], times["eager"],
-                    times["compiled"], floor, None))
-    return rows
+    results.append(Row(op, dtype_name, shape_str, "forward+backward", times["lmk_ops"], times["eager"],
+                       times["compiled"], floor, None))
+    return results
 
 
-HEADER = (f"{'op':<17} {'dtype':<9} {'shape':<13} {'mode':<16} {'lmk_ops':>9} {'eager':>9} {'compiled':>9} "
+HEADER = (f"{'op':<18} {'dtype':<9} {'shape':<13} {'mode':<16} {'lmk_ops':>9} {'eager':>9} {'compiled':>9} "
           f"{'vs eager':>9} {'vs comp.':>9} {'GB/s':>7} {'x floor':>8} {'vs mean_pool':>12}")
 
 
@@ -164,7 +185,7 @@ def _cell(value, spec: str, width: int, unit: str = "") -> str:
 
 
 def format_row(r: Row) -> str:
-    return (f"{r.op:<17} {r.dtype:<9} {r.shape:<13} {r.mode:<16} {r.lmk_ops_ms:8.3f}m {r.eager_ms:8.3f}m "
+    return (f"{r.op:<18} {r.dtype:<9} {r.shape:<13} {r.mode:<16} {r.lmk_ops_ms:8.3f}m {r.eager_ms:8.3f}m "
             f"{_cell(r.compiled_ms, '8.3f', 9, 'm')} {r.vs_eager:8.1f}x {_cell(r.vs_compiled, '8.2f', 9, 'x')} "
             f"{_cell(r.read_gb_per_s, '7.1f', 7)} {_cell(r.x_floor, '7.2f', 8, 'x')} "
             f"{_cell(r.vs_mean_pool, '11.1f', 12, 'x')}")

@@ -171,7 +171,8 @@ def _attention_pool_backward_backward(ctx, grad_grad_hidden, grad_grad_query):
     with torch.enable_grad():
         g, h, q = leaves[:3]
         out, weights = reference.attention_pool(h, mask, q, scale=ctx.scale, return_weights=True)
-        upstream = (g, leaves[3].reshape(weights.shape)) if ctx.has_grad_weights else (g, torch.zeros_like(weights))
+        weights_grad = leaves[3].reshape(weights.shape) if ctx.has_grad_weights else torch.zeros_like(weights)
+        upstream = (g, weights_grad)
         grad_h, grad_q = torch.autograd.grad((out, weights), (h, q), upstream, create_graph=True)
         found = torch.autograd.grad((grad_h, grad_q), leaves, (grad_grad_hidden.to(wide), grad_grad_query.to(wide)),
                                     allow_unused=True)

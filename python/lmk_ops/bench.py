@@ -25,8 +25,13 @@ OPS = {"mean_pool": (lmk_ops.mean_pool, reference.mean_pool), "max_pool": (lmk_o
 # Report entries beyond OPS: landmark_mean at a landmark interval (its second argument is the landmark mask of the
 # LMK layout at that interval), and insert_landmarks on a token batch of the case's B x L.
 LANDMARK_ENTRIES = {"landmark_mean@32": 32, "landmark_mean@128": 128}
-# attention_pool with a query of that many heads (in hidden's dtype); forward+backward differentiates the query too.
-ATTENTION_ENTRIES = {"attention_pool@1h": 1, "attention_pool@12h": 12}
+# attention_pool with one head, or with heads 64 features wide (12 at D = 768, 16 at D = 1024, as in BERT; one head
+# where 64 does not divide D); the query is in hidden's dtype, and forward+backward differentiates it too. Rows are
+# named by the heads used: attention_pool@12h.
+ATTENTION_ENTRIES = {
+    "attention_pool@1h": lambda dim: 1,
+    "attention_pool@64d": lambda dim: dim // 64 if dim % 64 == 0 else 1,
+}
 REPORT_OPS = [*OPS, *LANDMARK_ENTRIES, *ATTENTION_ENTRIES, "insert_landmarks"]
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 DEFAULT_SHAPES = "32x512x768,8x4096x1024"
@@ -149,8 +154,10 @@ def bench_case(op, dtype_name, shape, device, padding) -> list[Row]:
     hidden, mask = make_inputs(shape, dtype, device, padding)
     rows = landmark_layout(mask, LANDMARK_ENTRIES[op]) if op in LANDMARK_ENTRIES else mask  # the rows read
     second = rows
+    name = op
     if op in ATTENTION_ENTRIES:
-        heads = ATTENTION_ENTRIES[op]
+        heads = ATTENTION_ENTRIES[op](shape[2])
+        name = f"attention_pool@{heads}h"
         query = torch.randn(heads, shape[2] // heads, generator=torch.Generator().manual_seed(1)).to(device, dtype)
         second = (mask, query)
     impls = implementations(op)
@@ -164,14 +171,14 @@ def bench_case(op, dtype_name, shape, device, padding) -> list[Row]:
     # The floor is timed on both sides of the contenders and the faster kept, so that one slow sample cannot make
     # lmk_ops look closer to it than it is.
     floor = min(floor_before, time_ms(lambda: hidden.sum(), device))
-    results.append(Row(op, dtype_name, shape_str, "forward", times["lmk_ops"], times["eager"], times["compiled"],
+    results.append(Row(name, dtype_name, shape_str, "forward", times["lmk_ops"], times["eager"], times["compiled"],
                        floor, valid_bytes / times["lmk_ops"] / 1e6, mean_pool_ms))
     h = hidden.clone().requires_grad_()
     if op in ATTENTION_ENTRIES:
         second = (mask, query.clone().requires_grad_())
     grad = torch.randn(shape[0], shape[2], device=device, dtype=dtype)
     times = {name: time_ms(lambda f=f: forward_backward(f, h, second, grad), device) for name, f in impls.items()}
-    results.append(Row(op, dtype_name, shape_str, "forward+backward", times["lmk_ops"], times["eager"],
+    results.append(Row(name, dtype_name, shape_str, "forward+backward", times["lmk_ops"], times["eager"],
                        times["compiled"], floor, None))
     return results
 

@@ -65,3 +65,17 @@ def check_against_reference(op: str, hidden, mask, grad) -> None:
                            reference.max_pool(hidden, mask, return_indices=True)[1]), "max_pool: positions differ"
         return
     check_pair(op, ours, ref, hidden, mask, grad)
+
+
+def assert_same_bits_alone_and_padded(fn, dim: int) -> None:
+    """fn(hidden, mask) -> [B, D]: a text pools to the same bits alone, right-padded and left-padded in a batch."""
+    text = torch.randn(1, 37, dim, dtype=torch.bfloat16)
+    alone = fn(text, None)
+    right = torch.randn(5, 64, dim, dtype=torch.bfloat16)
+    right[2, :37] = text[0]
+    right_mask = torch.zeros(5, 64, dtype=torch.long)
+    right_mask[:, :37] = 1
+    left = torch.randn(5, 64, dim, dtype=torch.bfloat16)
+    left[3, -37:] = text[0]
+    assert torch.equal(fn(right, right_mask)[2], alone[0])
+    assert torch.equal(fn(left, right_mask.flip(1))[3], alone[0])

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 
 import lmk_ops
-from parity import OPS, check_against_reference, forward_and_grad
+from parity import OPS, assert_same_bits_alone_and_padded, check_against_reference, forward_and_grad
 from strategies import pool_cases
 
 
@@ -47,18 +47,7 @@ def test_integer_and_bool_masks_agree(op):
 @pytest.mark.parametrize("op", OPS)
 def test_padding_side_and_batch_do_not_change_the_bits(op):
     # A text pools to the same bits alone, right-padded or left-padded in a batch: no order depends on the batch.
-    fn = OPS[op][0]
-    text = torch.randn(1, 37, 1000, dtype=torch.bfloat16)
-    alone = fn(text, None)
-    right = torch.randn(5, 64, 1000, dtype=torch.bfloat16)
-    right[2, :37] = text[0]
-    right_mask = torch.zeros(5, 64, dtype=torch.long)
-    right_mask[:, :37] = 1
-    left = torch.randn(5, 64, 1000, dtype=torch.bfloat16)
-    left[3, -37:] = text[0]
-    left_mask = right_mask.flip(1)
-    assert torch.equal(fn(right, right_mask)[2], alone[0])
-    assert torch.equal(fn(left, left_mask)[3], alone[0])
+    assert_same_bits_alone_and_padded(OPS[op][0], 1000)
 
 
 @pytest.mark.parametrize("op", OPS)

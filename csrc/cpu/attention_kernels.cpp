@@ -32,49 +32,49 @@
 namespace lmk_ops::cpu::CPU_CAPABILITY {
 namespace {
 
-// out[k] = <x, ys[k]> over n features (feature i of x at x[i * stride]; ys contiguous). Four independent
-// accumulator chains per vector hide the FMA latency.
-template <int K, typename scalar_t>
-inline void dots(const scalar_t* x, int64_t stride, const acc_t<scalar_t>* const* ys, int64_t n,
-                 acc_t<scalar_t>* out) {
+// <x, y> over n features, or with kCentred <x - m, y> (feature i of x at x[i * stride]; m and y contiguous). Four
+// independent accumulator chains hide the FMA latency. The forward and the backward both compute scores with this
+// one function, so a score recomputed in the backward has the bits it had in the forward.
+template <bool kCentred, typename scalar_t>
+inline acc_t<scalar_t> dot(const scalar_t* x, int64_t stride, const acc_t<scalar_t>* m, const acc_t<scalar_t>* y,
+                           int64_t n) {
   using acc = acc_t<scalar_t>;
   using Vec = Vectorized<acc>;
   constexpr int64_t W = Vec::size();
-  int64_t i = 0;
-  for (int k = 0; k < K; ++k) {
-    out[k] = acc(0);
-  }
-  if (stride == 1) {
-    Vec s[K][4];
-    for (int k = 0; k < K; ++k) {
-      for (int u = 0; u < 4; ++u) {
-        s[k][u] = Vec(acc(0));
-      }
+  const auto load = [&](int64_t i) {
+    if constexpr (kCentred) {
+      return load_widened(x + i) - Vec::loadu(m + i);
+    } else {
+      return load_widened(x + i);
     }
+  };
+  int64_t i = 0;
+  acc total = 0;
+  if (stride == 1) {
+    Vec s[4] = {Vec(acc(0)), Vec(acc(0)), Vec(acc(0)), Vec(acc(0))};
     for (; i + 4 * W <= n; i += 4 * W) {
       for (int u = 0; u < 4; ++u) {
-        const Vec xv = load_widened(x + i + u * W);
-        for (int k = 0; k < K; ++k) {
-          s[k][u] = at::vec::fmadd(xv, Vec::loadu(ys[k] + i + u * W), s[k][u]);
-        }
+        s[u] = at::vec::fmadd(load(i + u * W), Vec::loadu(y + i + u * W), s[u]);
       }
     }
     for (; i + W <= n; i += W) {
-      const Vec xv = load_widened(x + i);
-      for (int k = 0; k < K; ++k) {
-        s[k][0] = at::vec::fmadd(xv, Vec::loadu(ys[k] + i), s[k][0]);
-      }
+      s[0] = at::vec::fmadd(load(i), Vec::loadu(y + i), s[0]);
     }
-    for (int k = 0; k < K; ++k) {
-      out[k] = at::vec::vec_reduce_all<acc>(
-          [](Vec& a, Vec& b) { return a + b; }, (s[k][0] + s[k][1]) + (s[k][2] + s[k][3]));
-    }
+    total = at::vec::vec_reduce_all<acc>([](Vec& a, Vec& b) { return a + b; }, (s[0] + s[1]) + (s[2] + s[3]));
   }
   for (; i < n; ++i) {
     const auto xi = static_cast<acc>(x[i * stride]);
-    for (int k = 0; k < K; ++k) {
-      out[k] += xi * ys[k][i];
-    }
+    total += (kCentred ? xi - m[i] : xi) * y[i];
+  }
+  return total;
+}
+
+// total[i] += chunk[i], then chunk[i] = 0, for n values: a chunk's sums folded into the running totals.
+template <typename acc>
+inline void fold_chunk(acc* total, acc* chunk, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    total[i] += chunk[i];
+    chunk[i] = acc(0);
   }
 }
 
@@ -105,15 +105,8 @@ struct SoftmaxReducer {
   }
 
   void fold() {
-    const int64_t n = heads * head_dim;
-    for (int64_t i = 0; i < n; ++i) {
-      weighted[i] += weighted[n + i];
-      weighted[n + i] = acc(0);
-    }
-    for (int64_t h = 0; h < heads; ++h) {
-      total[h] += total[heads + h];
-      total[heads + h] = acc(0);
-    }
+    fold_chunk(weighted, weighted + heads * head_dim, heads * head_dim);
+    fold_chunk(total, total + heads, heads);
     chunk_rows = 0;
   }
 
@@ -126,8 +119,7 @@ struct SoftmaxReducer {
       acc group_max = running_max[h];
       for (int r = 0; r < k; ++r) {
         x[r] = rows[r] + offset * stride;
-        dots<1>(x[r], stride, &q, head_dim, &s[r]);
-        s[r] *= scale;
+        s[r] = dot<false>(x[r], stride, nullptr, q, head_dim) * scale;
         if (scores != nullptr) {
           scores[h * seq_len + ls[r]] = s[r];
         }
@@ -242,46 +234,6 @@ void attention_forward_typed(const at::Tensor& hidden, const at::Tensor& valid, 
   });
 }
 
-// The two dot products of a valid row in the backward: <x, q> (the score, computed exactly as the forward
-// computes it) and <x - m, g>, with four accumulator chains each.
-template <typename scalar_t>
-inline void backward_dots(const scalar_t* x, int64_t stride, const acc_t<scalar_t>* q, const acc_t<scalar_t>* m,
-                          const acc_t<scalar_t>* g, int64_t n, acc_t<scalar_t>& score_dot,
-                          acc_t<scalar_t>& centred_dot) {
-  using acc = acc_t<scalar_t>;
-  using Vec = Vectorized<acc>;
-  constexpr int64_t W = Vec::size();
-  int64_t i = 0;
-  score_dot = centred_dot = acc(0);
-  if (stride == 1) {
-    Vec sq[4], sg[4];
-    for (int u = 0; u < 4; ++u) {
-      sq[u] = sg[u] = Vec(acc(0));
-    }
-    const auto add = [&](int64_t at, int u) {
-      const Vec xv = load_widened(x + at);
-      sq[u] = at::vec::fmadd(xv, Vec::loadu(q + at), sq[u]);
-      sg[u] = at::vec::fmadd(xv - Vec::loadu(m + at), Vec::loadu(g + at), sg[u]);
-    };
-    for (; i + 4 * W <= n; i += 4 * W) {
-      for (int u = 0; u < 4; ++u) {
-        add(i + u * W, u);
-      }
-    }
-    for (; i + W <= n; i += W) {
-      add(i, 0);
-    }
-    const auto sum = [](Vec& a, Vec& b) { return a + b; };
-    score_dot = at::vec::vec_reduce_all<acc>(sum, (sq[0] + sq[1]) + (sq[2] + sq[3]));
-    centred_dot = at::vec::vec_reduce_all<acc>(sum, (sg[0] + sg[1]) + (sg[2] + sg[3]));
-  }
-  for (; i < n; ++i) {
-    const auto xi = static_cast<acc>(x[i * stride]);
-    score_dot += xi * q[i];
-    centred_dot += (xi - m[i]) * g[i];
-  }
-}
-
 // pe += c_pe * (x - m) and pr += c_pr * (x - m) over n features.
 template <typename scalar_t>
 inline void add_centred_twice(acc_t<scalar_t>* pe, acc_t<scalar_t>* pr, acc_t<scalar_t> c_pe, acc_t<scalar_t> c_pr,
@@ -361,20 +313,16 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
         for (int64_t hh = 0; hh < block_heads; ++hh) {
           const int64_t offset = hh * head_dim;
           const scalar_t* x = row + offset * sd;
-          acc score_dot, centred_dot;
-          backward_dots(x, sd, qb + offset, mb + offset, gb + offset, head_dim, score_dot, centred_dot);
-          const acc p = probability(score_dot * sc, text_stats + 2 * hh);
-          const acc e = centred_dot + (gwb != nullptr ? gwb[hh * seq_len + ls[j]] : acc(0));
+          const acc p = probability(dot<false>(x, sd, nullptr, qb + offset, head_dim) * sc, text_stats + 2 * hh);
+          const acc e = dot<true>(x, sd, mb + offset, gb + offset, head_dim) +
+                        (gwb != nullptr ? gwb[hh * seq_len + ls[j]] : acc(0));
           prob[hh * count + j] = p;
           coef[hh * count + j] = e;
           chunk[2 * n + hh] += p * e;
           add_centred_twice(chunk + offset, chunk + n + offset, p * e, p, x, sd, mb + offset, head_dim);
         }
         if ((j + 1) % kChunkRows == 0 || j + 1 == count) {
-          for (int64_t i = 0; i < 2 * n + block_heads; ++i) {
-            pe_rows[i] += chunk[i];
-            chunk[i] = acc(0);
-          }
+          fold_chunk(pe_rows, chunk, 2 * n + block_heads);
         }
       }
       acc* part = query_parts.data() + b * dim + d0;

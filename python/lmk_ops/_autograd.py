@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from . import reference
+from ._checks import accumulation_dtype
+
 ops = torch.ops.lmk_ops
 
 _EPS = 1e-12  # as torch.nn.functional.normalize
@@ -133,8 +136,8 @@ def _landmark_gather_backward_backward(ctx, grad_grad_hidden):
 
 
 # attention_pool: the backward recomputes the probabilities from hidden, query and the saved softmax statistics
-# ([B, H, 2]: max score and sum of exp(score - max)), works relative to the output [B, D] for accuracy, and returns the gradients
-# of hidden and of query (the weights' gradient joins in when they were returned).
+# ([B, H, 2]: max score and sum of exp(score - max)), works relative to the output [B, D] for accuracy, and returns
+# the gradients of hidden and of query (the weights' gradient joins in when they were returned).
 def _attention_pool_setup(ctx, inputs, output):
     hidden, mask, query, scale, return_weights = inputs
     out, stats, _ = output
@@ -161,10 +164,8 @@ def _attention_pool_backward_setup(ctx, inputs, output):
 
 
 def _attention_pool_backward_backward(ctx, grad_grad_hidden, grad_grad_query):
-    from . import reference
-
     grad, grad_weights, hidden, mask, query = ctx.saved_tensors
-    wide = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    wide = accumulation_dtype(hidden.dtype)
     leaves = [t.detach().to(wide).requires_grad_() for t in (grad, hidden, query)]
     if ctx.has_grad_weights:
         leaves.append(grad_weights.detach().to(wide).requires_grad_())

@@ -20,6 +20,11 @@ _DTYPE_NAMES = {
 }
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels accumulate a floating dtype in: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 

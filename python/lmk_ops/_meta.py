@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_float_tensor, check_grad, check_grad_dtype, check_hidden, check_landmarks, check_mask
-from ._checks import check_pooled_grad, check_positions, check_query, check_scale, dtype_name, fail
-
-
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    """The accumulation type of a floating dtype."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from ._checks import accumulation_dtype, check_float_tensor, check_grad, check_grad_dtype, check_hidden
+from ._checks import check_landmarks, check_mask, check_pooled_grad, check_positions, check_query, check_scale
+from ._checks import dtype_name, fail
 
 
 def _unnormalized(hidden, normalize: bool):
     """The second output: [B, D] in the accumulation type with normalize, else empty."""
-    return hidden.new_empty((hidden.shape[0], hidden.shape[2]) if normalize else (0,), dtype=_wide(hidden.dtype))
+    shape = (hidden.shape[0], hidden.shape[2]) if normalize else (0,)
+    return hidden.new_empty(shape, dtype=accumulation_dtype(hidden.dtype))
 
 
 def _pooled(hidden):
@@ -95,9 +92,9 @@ def _attention_pool_fake(hidden, mask, query, scale=None, return_weights=False):
     heads, _ = check_query("attention_pool", query, hidden)
     check_scale("attention_pool", scale)
     check_mask("attention_pool", mask, hidden.shape[0], hidden.shape[1], hidden)
-    wide = _wide(hidden.dtype)
     batch, seq_len = hidden.shape[0], hidden.shape[1]
-    weights = hidden.new_empty((batch, heads, seq_len) if return_weights else (0,), dtype=wide)
+    weights = hidden.new_empty((batch, heads, seq_len) if return_weights else (0,),
+                               dtype=accumulation_dtype(hidden.dtype))
     return _pooled(hidden), hidden.new_empty((batch, heads, 2), dtype=torch.float64), weights
 
 

@@ -154,10 +154,10 @@ def bench_case(op, dtype_name, shape, device, padding) -> list[Row]:
     hidden, mask = make_inputs(shape, dtype, device, padding)
     rows = landmark_layout(mask, LANDMARK_ENTRIES[op]) if op in LANDMARK_ENTRIES else mask  # the rows read
     second = rows
-    name = op
+    row_name = op
     if op in ATTENTION_ENTRIES:
         heads = ATTENTION_ENTRIES[op](shape[2])
-        name = f"attention_pool@{heads}h"
+        row_name = f"attention_pool@{heads}h"
         query = torch.randn(heads, shape[2] // heads, generator=torch.Generator().manual_seed(1)).to(device, dtype)
         second = (mask, query)
     impls = implementations(op)
@@ -171,14 +171,14 @@ def bench_case(op, dtype_name, shape, device, padding) -> list[Row]:
     # The floor is timed on both sides of the contenders and the faster kept, so that one slow sample cannot make
     # lmk_ops look closer to it than it is.
     floor = min(floor_before, time_ms(lambda: hidden.sum(), device))
-    results.append(Row(name, dtype_name, shape_str, "forward", times["lmk_ops"], times["eager"], times["compiled"],
+    results.append(Row(row_name, dtype_name, shape_str, "forward", times["lmk_ops"], times["eager"], times["compiled"],
                        floor, valid_bytes / times["lmk_ops"] / 1e6, mean_pool_ms))
     h = hidden.clone().requires_grad_()
     if op in ATTENTION_ENTRIES:
         second = (mask, query.clone().requires_grad_())
     grad = torch.randn(shape[0], shape[2], device=device, dtype=dtype)
     times = {name: time_ms(lambda f=f: forward_backward(f, h, second, grad), device) for name, f in impls.items()}
-    results.append(Row(name, dtype_name, shape_str, "forward+backward", times["lmk_ops"], times["eager"],
+    results.append(Row(row_name, dtype_name, shape_str, "forward+backward", times["lmk_ops"], times["eager"],
                        times["compiled"], floor, None))
     return results
 

@@ -9,8 +9,8 @@ from torch import Tensor
 from ._checks import check_hidden, check_mask, fail
 
 __all__ = [
-    "attention_pool", "first_token_pool", "landmark_gather", "landmark_mean", "landmark_positions", "last_token_pool", "max_pool",
-    "mean_pool",
+    "attention_pool", "first_token_pool", "landmark_gather", "landmark_mean", "landmark_positions", "last_token_pool",
+    "max_pool", "mean_pool",
 ]
 
 _NORMALIZE_DOC = """normalize: L2-normalise each output vector inside the op (forward and backward), as
@@ -178,8 +178,9 @@ def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale:
                    return_weights: bool = False):
     """Attention pooling: a softmax over each text's valid tokens, scored against a learned query, weights the sum.
 
-    One pass over hidden with an online softmax; the backward recomputes the probabilities from the saved
-    log-sum-exp and gives the gradients of hidden and of query in one more pass.
+    One pass over hidden with an online softmax; the backward recomputes the probabilities from the saved softmax
+    statistics (max score and sum per text and head) and gives the gradients of hidden and of query in one more
+    pass.
 
     Args:
         hidden: ``[B, L, D]`` float16, bfloat16, float32 or float64, any strides.

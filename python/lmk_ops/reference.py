@@ -75,7 +75,7 @@ def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False)
 def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale: float | None = None,
                    return_weights: bool = False):
     batch, seq_len, dim = hidden.shape
-    heads = query.reshape(-1, query.shape[-1]) if query.dim() == 2 else query.unsqueeze(0)
+    heads = query if query.dim() == 2 else query.unsqueeze(0)
     head_dim = heads.shape[1]
     scale = head_dim**-0.5 if scale is None else scale
     states = hidden.reshape(batch, seq_len, heads.shape[0], head_dim)
@@ -83,7 +83,8 @@ def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale:
     valid = _valid(hidden, mask).unsqueeze(1)
     # Softmax in float32 (float64 for float64) over the valid tokens; a text with none gets finite scores, then zero
     # weights.
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(~valid, float("-inf")).masked_fill(~valid.any(-1, keepdim=True), 0.0)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(~valid, float("-inf"))
+    scores = scores.masked_fill(~valid.any(-1, keepdim=True), 0.0)
     weights = scores.softmax(-1) * valid
     out = torch.einsum("bhl,blhd->bhd", weights.to(hidden.dtype), states).reshape(batch, dim)
     if not return_weights:

@@ -5,7 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <torch/library.h>
 
-#include "cpu/pool_kernels.h"
+#include "ops/kernels.h"
 
 TORCH_LIBRARY(lmk_ops, m) {
   const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
@@ -53,14 +53,18 @@ PYBIND11_MODULE(_C, m) {
         py::dict info;
         info["version"] = LMK_OPS_VERSION;
         info["torch_version"] = LMK_OPS_TORCH_VERSION;
+#ifdef LMK_OPS_WITH_CUDA
+        info["cuda"] = true;
+#else
         info["cuda"] = false;
+#endif
 #ifdef _OPENMP
         info["openmp"] = true;
 #else
         info["openmp"] = false;
 #endif
         info["num_threads"] = at::get_num_threads();
-        info["cpu_capability"] = lmk_ops::cpu::pool_kernels_capability();
+        info["cpu_capability"] = lmk_ops::cpu::kernels_capability();
         return info;
       },
       "What this build of lmk_ops was compiled against and uses at run time.");

@@ -3,6 +3,7 @@
 #include <ATen/ops/any.h>
 #include <ATen/ops/nonzero.h>
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -103,16 +104,26 @@ at::Tensor prepare_positions(
       positions.dim() == 2 && positions.size(0) == batch, "lmk_ops.", op,
       ": expected landmark positions of shape [B, K] = [", batch, ", K], got ", shape_str(positions.sizes()));
   at::Tensor p = positions.contiguous();
-  // A plain loop over the B*K entries: it finds the first bad one for the message, and costs far less than the
-  // pooling it guards (an out-of-range position would otherwise be a read outside hidden).
-  const int64_t* data = p.const_data_ptr<int64_t>();
-  const int64_t listed = p.size(1);
-  for (int64_t i = 0; i < p.numel(); ++i) {
-    TORCH_CHECK(
-        data[i] >= -1 && data[i] < seq_len, "lmk_ops.", op, ": expected landmark positions in [0, L) = [0, ",
-        seq_len, ") or -1 for none, got ", data[i], " in row ", i / listed, " (landmarks[", i / listed, ", ",
-        i % listed, "])");
+  // The first entry outside [-1, seq_len), or -1 when all are in range. On the CPU a plain loop, which costs far
+  // less than the pooling it guards; on a GPU one reduction (an out-of-range position would be a read outside
+  // hidden, so it is checked before any kernel runs, at the price of one synchronisation).
+  int64_t bad = -1;
+  if (p.is_cpu()) {
+    const int64_t* data = p.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < p.numel() && bad < 0; ++i) {
+      bad = data[i] >= -1 && data[i] < seq_len ? -1 : i;
+    }
+  } else if (p.numel() > 0) {
+    const at::Tensor out_of_range = p.lt(-1).logical_or_(p.ge(seq_len)).flatten();
+    if (out_of_range.any().item<bool>()) {
+      bad = out_of_range.nonzero()[0][0].item<int64_t>();
+    }
   }
+  const int64_t listed = p.size(1);
+  TORCH_CHECK(
+      bad < 0, "lmk_ops.", op, ": expected landmark positions in [0, L) = [0, ", seq_len, ") or -1 for none, got ",
+      p.flatten()[std::max<int64_t>(bad, 0)].item<int64_t>(), " in row ", bad / listed, " (landmarks[", bad / listed,
+      ", ", bad % listed, "])");
   return p;
 }
 

@@ -1,6 +1,6 @@
 #pragma once
 // The attention pooling kernels of one CPU capability (attention_kernels.cpp); pool_kernels.cpp puts them in that
-// capability's PoolKernels table, which documents them. Included only by files compiled per capability.
+// capability's Kernels table (ops/kernels.h), which documents them. Included only by files compiled per capability.
 #include <ATen/core/Tensor.h>
 
 namespace lmk_ops::cpu::CPU_CAPABILITY {

@@ -1,11 +1,12 @@
 // Vectorised CPU pooling kernels. Compiled once per CPU capability: CPU_CAPABILITY is DEFAULT, AVX2 or AVX512
-// and names the namespace of this copy (see CMakeLists.txt and pool_kernels_dispatch.cpp).
+// and names the namespace of this copy (see CMakeLists.txt and kernels_dispatch.cpp).
 #include <cmath>
 
 #include "common/dispatch.h"
 #include "cpu/attention_kernels.h"
 #include "cpu/kernel_common.h"
-#include "cpu/pool_kernels.h"
+#include "cpu/rows.h"
+#include "ops/kernels.h"
 
 namespace lmk_ops::cpu::CPU_CAPABILITY {
 namespace {
@@ -220,8 +221,10 @@ void max_backward(const at::Tensor& grad, const at::Tensor& argmax, at::Tensor& 
 
 }  // namespace
 
-const PoolKernels& kernels() {
-  static const PoolKernels k{&mean_forward, &max_forward, &max_backward, &attention_forward, &attention_backward};
+const Kernels& kernels() {
+  // The row-copying kernels (cpu/rows.cpp) gain nothing from wider vectors and are compiled once.
+  static const Kernels k{&mean_forward,        &max_forward,    cpu::mean_backward,       &max_backward,
+                         cpu::gather_forward, cpu::gather_backward, &attention_forward, &attention_backward};
   return k;
 }
 

@@ -1,4 +1,4 @@
-// CPU implementations of mean_pool and max_pool: check inputs, allocate outputs, hand off to the vectorised kernels.
+// mean_pool and max_pool, for every device: check inputs, allocate outputs, hand off to the device's kernels.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
@@ -9,10 +9,10 @@
 #include <tuple>
 
 #include "common/checks.h"
-#include "cpu/pool_kernels.h"
-#include "cpu/pooling.h"
+#include "ops/kernels.h"
+#include "ops/pooling.h"
 
-namespace lmk_ops::cpu {
+namespace lmk_ops::ops {
 namespace {
 
 std::tuple<at::Tensor, at::Tensor> mean_pool(
@@ -50,7 +50,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> max_pool(
   } else {
     out = at::empty({batch, dim}, hidden.options());
     argmax = at::empty({batch, dim}, hidden.options().dtype(at::kInt));
-    pool_kernels().max_forward(hidden, rows, out, argmax);
+    kernels_for(hidden).max_forward(hidden, rows, out, argmax);
   }
   // The maxima are input values, exact in hidden's dtype: normalising them afterwards loses nothing.
   auto [finished, pooled] = finish_pooled(out, hidden.scalar_type(), normalize);
@@ -76,17 +76,27 @@ at::Tensor max_pool_backward(const at::Tensor& grad, const at::Tensor& argmax, i
   if (grad_hidden.numel() == 0) {
     return grad_hidden;
   }
-  pool_kernels().max_backward(grad.contiguous(), argmax.contiguous(), grad_hidden);
+  kernels_for(grad).max_backward(grad.contiguous(), argmax.contiguous(), grad_hidden);
   return grad_hidden;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(lmk_ops, CPU, m) {
+void register_pool_ops(torch::Library& m) {
   m.impl("mean_pool", &mean_pool);
   m.impl("mean_pool_backward", &mean_pool_backward);
   m.impl("max_pool", &max_pool);
   m.impl("max_pool_backward", &max_pool_backward);
 }
 
-}  // namespace lmk_ops::cpu
+}  // namespace
+
+TORCH_LIBRARY_IMPL(lmk_ops, CPU, m) {
+  register_pool_ops(m);
+}
+
+#ifdef LMK_OPS_WITH_CUDA
+TORCH_LIBRARY_IMPL(lmk_ops, CUDA, m) {
+  register_pool_ops(m);
+}
+#endif
+
+}  // namespace lmk_ops::ops

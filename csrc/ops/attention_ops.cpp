@@ -1,5 +1,5 @@
-// CPU implementations of attention_pool and its backward: check inputs, allocate outputs, hand off to the
-// vectorised kernels (attention_kernels.cpp).
+// attention_pool and its backward, for every device: check inputs, allocate outputs, hand off to the device's
+// kernels.
 #include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -11,9 +11,9 @@
 #include <tuple>
 
 #include "common/checks.h"
-#include "cpu/pool_kernels.h"
+#include "ops/kernels.h"
 
-namespace lmk_ops::cpu {
+namespace lmk_ops::ops {
 namespace {
 
 // The query as the kernels take it: [H, D / H], contiguous, in the accumulation type of hidden's dtype.
@@ -40,7 +40,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_pool(
   }
   at::Tensor out = at::empty({batch, dim}, hidden.options());
   at::Tensor kernel_weights = return_weights ? weights : at::Tensor();
-  pool_kernels().attention_forward(hidden, valid, wide_query(query, heads, acc), s, out, stats, kernel_weights);
+  kernels_for(hidden).attention_forward(hidden, valid, wide_query(query, heads, acc), s, out, stats, kernel_weights);
   return {out, stats, weights};
 }
 
@@ -66,18 +66,28 @@ std::tuple<at::Tensor, at::Tensor> attention_pool_backward(
   at::Tensor grad_query = at::zeros({heads.count, heads.dim}, hidden.options().dtype(acc));
   if (grad_hidden.numel() > 0) {
     const at::Tensor wide_grad_weights = has_grad_weights ? grad_weights->to(acc).contiguous() : at::Tensor();
-    pool_kernels().attention_backward(
+    kernels_for(hidden).attention_backward(
         grad.to(acc).contiguous(), wide_grad_weights, hidden, valid, wide_query(query, heads, acc),
         out.to(acc).contiguous(), stats.to(at::kDouble).contiguous(), s, grad_hidden, grad_query);
   }
   return {grad_hidden, grad_query.reshape(query.sizes()).to(query.scalar_type())};
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(lmk_ops, CPU, m) {
+void register_attention_ops(torch::Library& m) {
   m.impl("attention_pool", &attention_pool);
   m.impl("attention_pool_backward", &attention_pool_backward);
 }
 
-}  // namespace lmk_ops::cpu
+}  // namespace
+
+TORCH_LIBRARY_IMPL(lmk_ops, CPU, m) {
+  register_attention_ops(m);
+}
+
+#ifdef LMK_OPS_WITH_CUDA
+TORCH_LIBRARY_IMPL(lmk_ops, CUDA, m) {
+  register_attention_ops(m);
+}
+#endif
+
+}  // namespace lmk_ops::ops

@@ -1,13 +1,13 @@
 #include <ATen/Version.h>
 
-#include "cpu/pool_kernels.h"
+#include "ops/kernels.h"
 
 namespace lmk_ops::cpu {
 
-// One definition per capability object compiled from pool_kernels.cpp (see CMakeLists.txt).
+// One table per capability object compiled from pool_kernels.cpp (see CMakeLists.txt).
 #define LMK_DECLARE_CAPABILITY(cap) \
   namespace cap {                   \
-  const PoolKernels& kernels();     \
+  const Kernels& kernels();     \
   }
 LMK_DECLARE_CAPABILITY(DEFAULT)
 #ifdef LMK_OPS_HAVE_AVX2
@@ -20,7 +20,7 @@ LMK_DECLARE_CAPABILITY(AVX512)
 
 namespace {
 struct Choice {
-  const PoolKernels* kernels;
+  const Kernels* kernels;
   std::string name;
 };
 
@@ -47,11 +47,11 @@ const Choice& choice() {
 }
 }  // namespace
 
-const PoolKernels& pool_kernels() {
+const Kernels& kernels() {
   return *choice().kernels;
 }
 
-const std::string& pool_kernels_capability() {
+const std::string& kernels_capability() {
   return choice().name;
 }
 

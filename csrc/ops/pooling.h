@@ -1,12 +1,13 @@
 #pragma once
-// Building blocks shared by the CPU op implementations (pool_cpu.cpp, landmark_cpu.cpp). Inputs are checked.
+// Building blocks shared by the op implementations (pool_ops.cpp, landmark_ops.cpp), for every device. Inputs
+// are checked.
 #include <ATen/core/Tensor.h>
 
 #include <tuple>
 
 #include "common/row_selection.h"
 
-namespace lmk_ops::cpu {
+namespace lmk_ops::ops {
 
 bool is_empty_pool(const at::Tensor& hidden);
 
@@ -24,4 +25,4 @@ std::tuple<at::Tensor, at::Tensor> mean_of_rows(const at::Tensor& hidden, const 
 at::Tensor mean_of_rows_backward(
     const at::Tensor& grad, const RowSelection& rows, int64_t seq_len, std::optional<at::ScalarType> dtype);
 
-}  // namespace lmk_ops::cpu
+}  // namespace lmk_ops::ops

@@ -1,0 +1,167 @@
+#include "cpu/rows.h"
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "common/dispatch.h"
+
+namespace lmk_ops::cpu {
+namespace {
+
+// How many times each (b, l) row is selected: bool for a mask (0/1), int32 for listed positions; undefined when
+// every row is selected once.
+at::Tensor times_selected(const RowSelection& rows, int64_t batch, int64_t seq_len) {
+  if (!rows.positions.defined()) {
+    return rows.mask;
+  }
+  at::Tensor times = at::zeros({batch, seq_len}, rows.positions.options().dtype(at::kInt));
+  const int64_t listed = rows.positions.size(1);
+  const int64_t* p = rows.positions.const_data_ptr<int64_t>();
+  int32_t* t = times.data_ptr<int32_t>();
+  for (int64_t i = 0; i < batch * listed; ++i) {
+    if (p[i] >= 0) {
+      ++t[(i / listed) * seq_len + p[i]];
+    }
+  }
+  return times;
+}
+
+// Writes every row of grad_hidden once, split over (b, l) rows: a row selected once is a memcpy of its text's
+// scaled gradient, an unselected row a memset, a row listed several times the scaled gradient times that count.
+template <typename scalar_t, typename times_t>
+void write_weighted_rows(const at::Tensor& scaled_wide, const times_t* times, at::Tensor& grad_hidden) {
+  using acc = at::opmath_type<scalar_t>;
+  const int64_t seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
+  const at::Tensor scaled = scaled_wide.to(grad_hidden.scalar_type()).contiguous();
+  const scalar_t* src = scaled.const_data_ptr<scalar_t>();
+  const acc* src_wide = scaled_wide.const_data_ptr<acc>();
+  scalar_t* dst = grad_hidden.data_ptr<scalar_t>();
+  const size_t row_bytes = static_cast<size_t>(dim) * sizeof(scalar_t);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / dim);
+  at::parallel_for(0, grad_hidden.size(0) * seq_len, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / seq_len;
+      const int64_t n = times == nullptr ? 1 : static_cast<int64_t>(times[row]);
+      scalar_t* out_row = dst + row * dim;
+      if (n == 1) {
+        std::memcpy(out_row, src + b * dim, row_bytes);
+      } else if (n == 0) {
+        std::memset(out_row, 0, row_bytes);
+      } else {
+        for (int64_t d = 0; d < dim; ++d) {
+          out_row[d] = static_cast<scalar_t>(src_wide[b * dim + d] * static_cast<acc>(n));
+        }
+      }
+    }
+  });
+}
+
+// out[b, k] = hidden[b, positions[b, k]], zeros where the position is -1. Split over (b, k) rows: each output row
+// is written once (a memcpy when hidden's features are contiguous).
+template <typename scalar_t>
+void gather_rows(const at::Tensor& hidden, const at::Tensor& positions, at::Tensor& out) {
+  const int64_t listed = positions.size(1), dim = hidden.size(2);
+  const int64_t sb = hidden.stride(0), sl = hidden.stride(1), sd = hidden.stride(2);
+  const scalar_t* h = hidden.const_data_ptr<scalar_t>();
+  const int64_t* p = positions.const_data_ptr<int64_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, dim));
+  at::parallel_for(0, out.size(0) * listed, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t l = p[row];
+      scalar_t* dst = o + row * dim;
+      if (l < 0) {
+        std::memset(dst, 0, dim * sizeof(scalar_t));
+        continue;
+      }
+      const scalar_t* src = h + (row / listed) * sb + l * sl;
+      if (sd == 1) {
+        std::memcpy(dst, src, dim * sizeof(scalar_t));
+      } else {
+        for (int64_t d = 0; d < dim; ++d) {
+          dst[d] = src[d * sd];
+        }
+      }
+    }
+  });
+}
+
+// grad_hidden[b, l] = the sum of grad[b, k] over the k listing position l, on a zero-filled grad_hidden. Split
+// over texts. A row listed once is a copy; a repeated position's gradients are summed in k order in the
+// accumulation type and rounded once, so the result is deterministic and as exact as one rounding allows.
+template <typename scalar_t>
+void scatter_rows(const at::Tensor& grad, const at::Tensor& positions, at::Tensor& grad_hidden) {
+  using acc = at::opmath_type<scalar_t>;
+  const int64_t listed = positions.size(1), seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
+  const scalar_t* g = grad.const_data_ptr<scalar_t>();
+  const int64_t* p = positions.const_data_ptr<int64_t>();
+  scalar_t* out = grad_hidden.data_ptr<scalar_t>();
+  at::parallel_for(0, grad_hidden.size(0), 1, [&](int64_t begin, int64_t end) {
+    std::vector<std::pair<int64_t, int64_t>> rows;  // (l, k), grouped by l with k increasing
+    std::vector<acc> sum(dim);
+    for (int64_t b = begin; b < end; ++b) {
+      rows.clear();
+      for (int64_t k = 0; k < listed; ++k) {
+        if (p[b * listed + k] >= 0) {
+          rows.emplace_back(p[b * listed + k], k);
+        }
+      }
+      std::sort(rows.begin(), rows.end());
+      for (size_t first = 0, last; first < rows.size(); first = last) {
+        for (last = first + 1; last < rows.size() && rows[last].first == rows[first].first; ++last) {
+        }
+        scalar_t* dst = out + (b * seq_len + rows[first].first) * dim;
+        const scalar_t* src = g + (b * listed + rows[first].second) * dim;
+        if (last - first == 1) {
+          std::memcpy(dst, src, dim * sizeof(scalar_t));
+          continue;
+        }
+        std::fill(sum.begin(), sum.end(), acc(0));
+        for (size_t i = first; i < last; ++i) {
+          const scalar_t* row = g + (b * listed + rows[i].second) * dim;
+          for (int64_t d = 0; d < dim; ++d) {
+            sum[d] += static_cast<acc>(row[d]);
+          }
+        }
+        for (int64_t d = 0; d < dim; ++d) {
+          dst[d] = static_cast<scalar_t>(sum[d]);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void mean_backward(const at::Tensor& scaled, const RowSelection& rows, at::Tensor& grad_hidden) {
+  const at::Tensor times = times_selected(rows, grad_hidden.size(0), grad_hidden.size(1));
+  LMK_DISPATCH_FLOATING(grad_hidden.scalar_type(), "mean_backward", [&] {
+    if (!times.defined()) {
+      write_weighted_rows<scalar_t, bool>(scaled, nullptr, grad_hidden);
+    } else if (times.scalar_type() == at::kBool) {
+      write_weighted_rows<scalar_t>(scaled, times.const_data_ptr<bool>(), grad_hidden);
+    } else {
+      write_weighted_rows<scalar_t>(scaled, times.const_data_ptr<int32_t>(), grad_hidden);
+    }
+  });
+}
+
+void gather_forward(const at::Tensor& hidden, const at::Tensor& positions, at::Tensor& out) {
+  LMK_DISPATCH_FLOATING(hidden.scalar_type(), "landmark_gather", [&] { gather_rows<scalar_t>(hidden, positions, out); });
+}
+
+void gather_backward(const at::Tensor& grad, const at::Tensor& positions, at::Tensor& grad_hidden) {
+  // Most rows are not landmarks, and a memset of the whole gradient is the cheapest way to write them.
+  grad_hidden.zero_();
+  LMK_DISPATCH_FLOATING(grad.scalar_type(), "landmark_gather_backward", [&] {
+    scatter_rows<scalar_t>(grad, positions, grad_hidden);
+  });
+}
+
+}  // namespace lmk_ops::cpu

@@ -1,0 +1,166 @@
+#pragma once
+// Building blocks of the CUDA kernels (pool_kernels.cu, rows.cu, attention_kernels.cu).
+//
+// How a reduction over rows is split, for every forward op: a text's selected rows are listed in order (select_rows
+// below: the valid rows of a mask, the listed landmark positions, or simply 0..L-1) and cut into chunks of
+// kChunkRows consecutive selected rows. One block reduces one chunk of one text (and one tile of features or
+// heads); when a text has more than one chunk, a second kernel combines the chunks' partial results in chunk
+// order. Short batches of long texts still fill the GPU (8 x 8192 rows make 512 chunks), nothing is added with
+// atomics, and the order of every addition depends only on the text's own selected rows and on D: the same input
+// gives the same bits, and a text gives the same bits alone or in a batch, padded on either side.
+#include <ATen/OpMathType.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "common/row_selection.h"
+
+namespace lmk_ops::cuda {
+
+template <typename scalar_t>
+using acc_t = at::opmath_type<scalar_t>;
+
+constexpr int kThreads = 256;
+constexpr int64_t kChunkRows = 128;
+// Rows each thread loads before using any of them: independent 16-byte loads in flight hide memory latency.
+constexpr int kRowsInFlight = 4;
+
+__host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+// VEC elements of scalar_t moved as one aligned load or store (16 bytes for the widest VEC).
+template <typename scalar_t, int VEC>
+struct alignas(sizeof(scalar_t) * VEC) Pack {
+  scalar_t v[VEC];
+};
+
+// Features [v * VEC, (v + 1) * VEC) of a row, widened to acc. VEC > 1 only where the row is contiguous and aligned
+// (vector_width); the scalar path (VEC = 1) follows the feature stride.
+template <int VEC, typename scalar_t, typename acc>
+__device__ __forceinline__ void load_features(const scalar_t* row, int64_t v, int64_t stride, acc (&x)[VEC]) {
+  if constexpr (VEC == 1) {
+    x[0] = static_cast<acc>(row[v * stride]);
+  } else {
+    const Pack<scalar_t, VEC> p = *reinterpret_cast<const Pack<scalar_t, VEC>*>(row + v * VEC);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      x[i] = static_cast<acc>(p.v[i]);
+    }
+  }
+}
+
+// Rounds VEC values to scalar_t and stores them at row + v * VEC (row contiguous and aligned when VEC > 1).
+template <int VEC, typename scalar_t, typename acc>
+__device__ __forceinline__ void store_features(scalar_t* row, int64_t v, const acc (&x)[VEC]) {
+  Pack<scalar_t, VEC> p;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    p.v[i] = static_cast<scalar_t>(x[i]);
+  }
+  *reinterpret_cast<Pack<scalar_t, VEC>*>(row + v * VEC) = p;
+}
+
+// The widest VEC (16 bytes, halving down to 1) for which every row of t starts aligned and holds whole packs of
+// contiguous features, and which divides unit (a head's width; 1 for no constraint beyond the row).
+template <typename scalar_t>
+int vector_width(const at::Tensor& t, int64_t unit) {
+  const int64_t rank = t.dim();
+  const auto address = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  for (int vec = 16 / static_cast<int>(sizeof(scalar_t)); vec > 1; vec /= 2) {
+    bool ok = t.stride(rank - 1) == 1 && t.size(rank - 1) % vec == 0 && unit % vec == 0 &&
+              address % (vec * sizeof(scalar_t)) == 0;
+    for (int64_t i = 0; i + 1 < rank; ++i) {
+      ok = ok && (t.size(i) == 1 || t.stride(i) % vec == 0);
+    }
+    if (ok) {
+      return vec;
+    }
+  }
+  return 1;
+}
+
+// Runs body.template operator()<VEC>() with VEC the compile-time constant for the runtime width (1 or the widest).
+template <typename scalar_t, typename Body>
+void with_vector_width(int vec, const Body& body) {
+  constexpr int kWidest = 16 / sizeof(scalar_t);
+  if (vec == kWidest) {
+    body.template operator()<kWidest>();
+  } else {
+    TORCH_INTERNAL_ASSERT(vec == 1, "lmk_ops: unexpected vector width ", vec);
+    body.template operator()<1>();
+  }
+}
+
+// Widest or nothing: a width between 1 and the widest is used as 1 (two instantiations per kernel, not four).
+template <typename scalar_t>
+int widest_or_scalar(const at::Tensor& t, int64_t unit) {
+  const int vec = vector_width<scalar_t>(t, unit);
+  return vec == static_cast<int>(16 / sizeof(scalar_t)) ? vec : 1;
+}
+
+// A text's selected rows in order, as select_rows lists them. order == nullptr means every row, in order.
+struct SelectedRows {
+  const int64_t* order;  // [B, width]
+  const int64_t* count;  // [B]
+  int64_t width;
+  int64_t seq_len;
+
+  __device__ __forceinline__ int64_t rows(int64_t b) const {
+    return order == nullptr ? seq_len : count[b];
+  }
+  __device__ __forceinline__ int64_t row(int64_t b, int64_t j) const {
+    return order == nullptr ? j : order[b * width + j];
+  }
+};
+
+// The selected rows of each text, listed in order on the device: for a mask its true rows followed by its false
+// rows (a stable partition, so the unselected rows can be visited too); for positions the entries that are not
+// -1. Nothing is listed when every row is selected. `upper` is the most rows a text can have (no synchronisation
+// is needed to size the grid: blocks past a text's count return at once).
+struct RowList {
+  at::Tensor order;  // int64 [B, width], or undefined for every row
+  at::Tensor count;  // int64 [B], or undefined for every row
+  int64_t upper;
+  int64_t seq_len;
+
+  SelectedRows view() const {
+    return {order.defined() ? order.const_data_ptr<int64_t>() : nullptr,
+            count.defined() ? count.const_data_ptr<int64_t>() : nullptr, order.defined() ? order.size(1) : 0, seq_len};
+  }
+};
+
+RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_len);
+// A bool mask [B, L] (or undefined for every row) as a RowList.
+inline RowList select_valid(const at::Tensor& valid, int64_t batch, int64_t seq_len) {
+  return select_rows(RowSelection{valid, at::Tensor()}, batch, seq_len);
+}
+
+// The sum of x over a segment of `seg` adjacent lanes of a warp (seg a power of two up to 32), in every lane of the
+// segment. The butterfly gives every lane the same bits.
+template <typename acc>
+__device__ __forceinline__ acc segment_sum(acc x, int seg) {
+  for (int offset = seg / 2; offset > 0; offset /= 2) {
+    x += __shfl_xor_sync(0xffffffffu, x, offset);
+  }
+  return x;
+}
+
+template <typename acc>
+__device__ __forceinline__ acc device_exp(acc x) {
+  if constexpr (sizeof(acc) == 8) {
+    return ::exp(x);
+  } else {
+    return ::expf(x);
+  }
+}
+
+inline cudaStream_t stream() {
+  return at::cuda::getCurrentCUDAStream();
+}
+
+}  // namespace lmk_ops::cuda

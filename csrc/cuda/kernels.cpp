@@ -1,0 +1,15 @@
+// The CUDA kernel table (ops/kernels.h).
+#include "cuda/attention_kernels.h"
+#include "cuda/pool_kernels.h"
+#include "cuda/rows.h"
+#include "ops/kernels.h"
+
+namespace lmk_ops::cuda {
+
+const Kernels& kernels() {
+  static const Kernels k{&mean_forward,   &max_forward,     &mean_backward,     &max_backward,
+                         &gather_forward, &gather_backward, &attention_forward, &attention_backward};
+  return k;
+}
+
+}  // namespace lmk_ops::cuda

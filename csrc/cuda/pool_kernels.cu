@@ -1,0 +1,233 @@
+// CUDA forward kernels of mean and max pooling over a selection of rows (mean_pool, max_pool, landmark_mean).
+//
+// One block reduces one chunk of kChunkRows selected rows of one text, for one tile of features (common.cuh says
+// why). Its threads are X feature lanes (a 16-byte pack of features each where rows are aligned) by Y row lanes:
+// row lane y takes the chunk's rows y, y + Y, ... in order, kRowsInFlight loads at a time; the Y lanes are then
+// combined in order through shared memory. A text with one chunk is finished by that block; longer texts leave
+// per-chunk partial results that a second kernel combines in chunk order.
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "common/dispatch.h"
+#include "cuda/common.cuh"
+#include "cuda/pool_kernels.h"
+
+namespace lmk_ops::cuda {
+namespace {
+
+// Max with torch.max's rules: a greater value wins, a NaN wins over a number (the first NaN is kept), and of equal
+// values the earlier row is kept. where < 0 marks "nothing kept yet".
+template <typename acc>
+__device__ __forceinline__ bool takes_over(acc x, int64_t at, acc best, int64_t where) {
+  if (where < 0) {
+    return true;
+  }
+  const bool x_nan = x != x, best_nan = best != best;
+  if (x_nan || best_nan) {
+    return x_nan && (!best_nan || at < where);
+  }
+  return x > best || (x == best && at < where);
+}
+
+template <bool kMax, typename scalar_t, typename out_t, int VEC>
+__global__ void pool_chunks(const scalar_t* hidden, int64_t sb, int64_t sl, int64_t sd, SelectedRows rows,
+                            int64_t dim, int64_t chunks, int64_t tiles, out_t* out, int32_t* argmax,
+                            acc_t<scalar_t>* partial, int32_t* partial_where) {
+  using acc = acc_t<scalar_t>;
+  extern __shared__ unsigned char shared_bytes[];
+  const int64_t tile = blockIdx.x % tiles, chunk = (blockIdx.x / tiles) % chunks, b = blockIdx.x / (tiles * chunks);
+  const int64_t n = rows.rows(b), begin = chunk * kChunkRows;
+  if (begin >= n && chunk > 0) {
+    return;  // past this text's rows (the grid is sized for the longest possible text)
+  }
+  const int64_t end = std::min(begin + kChunkRows, n);
+  const int lanes = blockDim.x, row_lanes = blockDim.y;
+  const int64_t packs = dim / VEC, v = tile * lanes + threadIdx.x;
+  const bool active = v < packs;
+
+  acc value[VEC];
+  int64_t where[VEC];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    value[i] = acc(0);
+    where[i] = -1;
+  }
+  const scalar_t* text = hidden + b * sb;
+  for (int64_t first = begin + threadIdx.y; first < end; first += int64_t{row_lanes} * kRowsInFlight) {
+    acc x[kRowsInFlight][VEC];
+    int64_t at[kRowsInFlight];
+#pragma unroll
+    for (int r = 0; r < kRowsInFlight; ++r) {
+      const int64_t j = first + int64_t{r} * row_lanes;
+      at[r] = j < end ? rows.row(b, j) : -1;
+      if (active && at[r] >= 0) {
+        load_features<VEC>(text + at[r] * sl, v, sd, x[r]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kRowsInFlight; ++r) {
+      if (active && at[r] >= 0) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          if constexpr (kMax) {
+            if (takes_over(x[r][i], at[r], value[i], where[i])) {
+              value[i] = x[r][i];
+              where[i] = at[r];
+            }
+          } else {
+            value[i] += x[r][i];
+          }
+        }
+      }
+    }
+  }
+
+  // Row lanes 1.. hand their results to row lane 0, which takes them in order.
+  acc* shared_value = reinterpret_cast<acc*>(shared_bytes);
+  int64_t* shared_where = reinterpret_cast<int64_t*>(shared_value + row_lanes * lanes * VEC);
+  const int64_t slot = (int64_t{threadIdx.y} * lanes + threadIdx.x) * VEC;
+  if (row_lanes > 1) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      shared_value[slot + i] = value[i];
+      if constexpr (kMax) {
+        shared_where[slot + i] = where[i];
+      }
+    }
+    __syncthreads();
+    if (threadIdx.y != 0) {
+      return;
+    }
+    for (int y = 1; y < row_lanes; ++y) {
+      const int64_t other = (int64_t{y} * lanes + threadIdx.x) * VEC;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        if constexpr (kMax) {
+          if (shared_where[other + i] >= 0 &&
+              takes_over(shared_value[other + i], shared_where[other + i], value[i], where[i])) {
+            value[i] = shared_value[other + i];
+            where[i] = shared_where[other + i];
+          }
+        } else {
+          value[i] += shared_value[other + i];
+        }
+      }
+    }
+  }
+  if (!active) {
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    const int64_t d = v * VEC + i;
+    if (n <= kChunkRows) {  // the only chunk: finish here
+      if constexpr (kMax) {
+        out[b * dim + d] = n == 0 ? out_t(0) : static_cast<out_t>(value[i]);
+        argmax[b * dim + d] = n == 0 ? -1 : static_cast<int32_t>(where[i]);
+      } else {
+        out[b * dim + d] = n == 0 ? out_t(0) : static_cast<out_t>(value[i] / static_cast<acc>(n));
+      }
+    } else {
+      partial[(b * chunks + chunk) * dim + d] = value[i];
+      if constexpr (kMax) {
+        partial_where[(b * chunks + chunk) * dim + d] = static_cast<int32_t>(where[i]);
+      }
+    }
+  }
+}
+
+// Finishes the texts with more than one chunk: their partial results, taken in chunk order.
+template <bool kMax, typename scalar_t, typename out_t>
+__global__ void combine_chunks(const acc_t<scalar_t>* partial, const int32_t* partial_where, SelectedRows rows,
+                               int64_t batch, int64_t dim, int64_t chunks, out_t* out, int32_t* argmax) {
+  using acc = acc_t<scalar_t>;
+  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (i >= batch * dim) {
+    return;
+  }
+  const int64_t b = i / dim, d = i % dim, n = rows.rows(b);
+  if (n <= kChunkRows) {
+    return;
+  }
+  const acc* p = partial + b * chunks * dim + d;
+  acc value = p[0];
+  int64_t where = kMax ? partial_where[b * chunks * dim + d] : 0;
+  for (int64_t c = 1; c < ceil_div(n, kChunkRows); ++c) {
+    if constexpr (kMax) {
+      const int32_t at = partial_where[(b * chunks + c) * dim + d];
+      if (takes_over(p[c * dim], at, value, where)) {
+        value = p[c * dim];
+        where = at;
+      }
+    } else {
+      value += p[c * dim];
+    }
+  }
+  if constexpr (kMax) {
+    out[i] = static_cast<out_t>(value);
+    argmax[i] = static_cast<int32_t>(where);
+  } else {
+    out[i] = static_cast<out_t>(value / static_cast<acc>(n));
+  }
+}
+
+template <bool kMax, typename scalar_t, typename out_t>
+void pool_forward(const at::Tensor& hidden, const RowSelection& selection, at::Tensor& out, at::Tensor* argmax) {
+  using acc = acc_t<scalar_t>;
+  const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
+  const RowList list = select_rows(selection, batch, seq_len);
+  const int64_t chunks = std::max<int64_t>(1, ceil_div(list.upper, kChunkRows));
+  at::Tensor partial, partial_where;
+  if (chunks > 1) {
+    partial = at::empty({batch, chunks, dim}, hidden.options().dtype(at::toOpMathType(hidden.scalar_type())));
+    if (kMax) {
+      partial_where = at::empty({batch, chunks, dim}, hidden.options().dtype(at::kInt));
+    }
+  }
+  auto* argmax_data = kMax ? argmax->data_ptr<int32_t>() : nullptr;
+  auto* partial_data = partial.defined() ? partial.data_ptr<acc>() : nullptr;
+  auto* partial_where_data = partial_where.defined() ? partial_where.data_ptr<int32_t>() : nullptr;
+  with_vector_width<scalar_t>(widest_or_scalar<scalar_t>(hidden, 1), [&]<int VEC>() {
+    const int64_t packs = dim / VEC;
+    const int lanes = static_cast<int>(std::min<int64_t>(kThreads, ceil_div(packs, 32) * 32));
+    const int row_lanes = kThreads / lanes;
+    const int64_t tiles = ceil_div(packs, lanes);
+    const int64_t blocks = batch * chunks * tiles;
+    TORCH_CHECK(
+        blocks <= std::numeric_limits<int32_t>::max(), "lmk_ops: pooling needs ", blocks,
+        " CUDA blocks, more than one launch takes; split the batch");
+    const size_t shared = row_lanes > 1 ? size_t{kThreads} * VEC * (sizeof(acc) + (kMax ? sizeof(int64_t) : 0)) : 0;
+    pool_chunks<kMax, scalar_t, out_t, VEC><<<blocks, dim3(lanes, row_lanes), shared, stream()>>>(
+        hidden.const_data_ptr<scalar_t>(), hidden.stride(0), hidden.stride(1), hidden.stride(2), list.view(), dim,
+        chunks, tiles, out.data_ptr<out_t>(), argmax_data, partial_data, partial_where_data);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  if (chunks > 1) {
+    combine_chunks<kMax, scalar_t, out_t><<<ceil_div(batch * dim, kThreads), kThreads, 0, stream()>>>(
+        partial_data, partial_where_data, list.view(), batch, dim, chunks, out.data_ptr<out_t>(), argmax_data);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+}  // namespace
+
+void mean_forward(const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  LMK_DISPATCH_FLOATING(hidden.scalar_type(), "mean_pool", [&] {
+    if (out.scalar_type() == hidden.scalar_type()) {
+      pool_forward<false, scalar_t, scalar_t>(hidden, rows, out, nullptr);
+    } else {
+      pool_forward<false, scalar_t, acc_t<scalar_t>>(hidden, rows, out, nullptr);
+    }
+  });
+}
+
+void max_forward(const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out, at::Tensor& argmax) {
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  LMK_DISPATCH_FLOATING(
+      hidden.scalar_type(), "max_pool", [&] { pool_forward<true, scalar_t, scalar_t>(hidden, rows, out, &argmax); });
+}
+
+}  // namespace lmk_ops::cuda

@@ -6,6 +6,7 @@ import torch
 from hypothesis import given
 
 import lmk_ops
+from devices import DEVICES, on
 from lmk_ops import reference
 from lmk_ops.nn import AttentionPooling, Pooling
 from parity import assert_matches, assert_same_bits_alone_and_padded
@@ -53,8 +54,10 @@ def _check_case(case):
         assert_matches(f"attention_pool {name}", got, want, ref, RULE_DTYPES, slack)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @given(case=attention_cases())
-def test_matches_reference(case):
+def test_matches_reference(case, device):
+    case = on(device, case)
     inputs = [t for t in (case.hidden, case.mask, case.query) if t is not None]
     before = [t.clone() for t in inputs]
     _check_case(case)

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given
 
 import lmk_ops
+from devices import DEVICES, on
 from lmk_ops import reference
 from parity import check_pair, forward_and_grad
 from strategies import landmark_cases, pool_cases
@@ -19,16 +20,20 @@ def _unchanged(*tensors):
 
 
 @pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
 @given(case=landmark_cases())
-def test_landmark_mean_matches_reference(normalize, case):
+def test_landmark_mean_matches_reference(normalize, case, device):
+    case = on(device, case)
     unchanged = _unchanged(case.hidden, case.landmarks, case.grad)
     check_pair("landmark_mean", partial(lmk_ops.landmark_mean, normalize=normalize),
                partial(reference.landmark_mean, normalize=normalize), case.hidden, case.landmarks, case.grad)
     assert unchanged(), "an input tensor was modified"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @given(case=landmark_cases())
-def test_landmark_gather_matches_reference(case):
+def test_landmark_gather_matches_reference(case, device):
+    case = on(device, case)
     vectors, valid = lmk_ops.landmark_gather(case.hidden, case.landmarks)
     ref_vectors, ref_valid = reference.landmark_gather(case.hidden, case.landmarks)
     assert torch.equal(valid, ref_valid) and torch.equal(vectors, ref_vectors)  # a copy: exact
@@ -38,8 +43,10 @@ def test_landmark_gather_matches_reference(case):
 
 
 @pytest.mark.parametrize("op", ["mean_pool", "max_pool"])
+@pytest.mark.parametrize("device", DEVICES)
 @given(case=pool_cases())
-def test_normalized_pooling_matches_reference(op, case):
+def test_normalized_pooling_matches_reference(op, case, device):
+    case = on(device, case)
     ours, ref = getattr(lmk_ops, op), getattr(reference, op)
     check_pair(f"{op}(normalize=True)", partial(ours, normalize=True), partial(ref, normalize=True),
                case.hidden, case.mask, case.grad)

@@ -10,13 +10,16 @@ import torch
 from hypothesis import given
 
 import lmk_ops
+from devices import DEVICES, on
 from parity import OPS, assert_same_bits_alone_and_padded, check_against_reference, forward_and_grad
 from strategies import pool_cases
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", OPS)
 @given(case=pool_cases())
-def test_matches_reference(op, case):
+def test_matches_reference(op, case, device):
+    case = on(device, case)
     inputs = [t for t in (case.hidden, case.mask, case.grad) if t is not None]
     before = [t.clone() for t in inputs]
     check_against_reference(op, case.hidden, case.mask, case.grad)

@@ -10,15 +10,16 @@ from functools import partial
 
 import lmk_ops
 from lmk_ops import _loader
+from devices import DEVICES, on
 from parity import OPS
 
 ops = torch.ops.lmk_ops
 
 
-def _inputs(dtype=torch.float32, requires_grad=True):
+def _inputs(dtype=torch.float32, requires_grad=True, device="cpu"):
     gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(3, 11, 13, generator=gen, dtype=dtype).requires_grad_(requires_grad)
-    mask = torch.tensor([[1] * 11, [1] * 4 + [0] * 7, [0] * 11])
+    hidden = torch.randn(3, 11, 13, generator=gen, dtype=dtype).to(device).requires_grad_(requires_grad)
+    mask = torch.tensor([[1] * 11, [1] * 4 + [0] * 7, [0] * 11], device=device)
     return hidden, mask
 
 
@@ -44,16 +45,17 @@ SECOND_ARGUMENTS = {
 CASES = [(name, kind) for name, (_, arg) in FUNCTIONS.items() for kind in SECOND_ARGUMENTS[arg]]
 
 
-def _case(name, kind, dtype=torch.float32):
+def _case(name, kind, dtype=torch.float32, device="cpu"):
     fn, arg = FUNCTIONS[name]
-    return fn, _inputs(dtype)[0], SECOND_ARGUMENTS[arg][kind]()
+    return fn, _inputs(dtype, device=device)[0], on(device, SECOND_ARGUMENTS[arg][kind]())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mask_kind", ["none", "int", "bool"])
 @pytest.mark.parametrize("normalize", [False, True])
-def test_opcheck_pooling_ops(dtype, mask_kind, normalize):
-    hidden, mask = _inputs(dtype)
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_pooling_ops(dtype, mask_kind, normalize, device):
+    hidden, mask = _inputs(dtype, device=device)
     mask = {"none": None, "int": mask, "bool": mask.bool()}[mask_kind]
     torch.library.opcheck(ops.mean_pool.default, (hidden, mask, normalize))
     torch.library.opcheck(ops.max_pool.default, (hidden, mask, normalize))
@@ -61,44 +63,51 @@ def test_opcheck_pooling_ops(dtype, mask_kind, normalize):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("normalize", [False, True])
-def test_opcheck_landmark_ops(dtype, normalize):
-    hidden, _ = _inputs(dtype)
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_landmark_ops(dtype, normalize, device):
+    hidden, _ = _inputs(dtype, device=device)
     for landmarks in (LANDMARK_MASK, POSITIONS):
-        torch.library.opcheck(ops.landmark_mean.default, (hidden, landmarks, normalize))
-    torch.library.opcheck(ops.landmark_gather.default, (hidden, POSITIONS))
+        torch.library.opcheck(ops.landmark_mean.default, (hidden, landmarks.to(device), normalize))
+    torch.library.opcheck(ops.landmark_gather.default, (hidden, POSITIONS.to(device)))
 
 
-def test_opcheck_backward_ops():
-    hidden, mask = _inputs()
-    grad = torch.randn(3, 13, requires_grad=True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_backward_ops(device):
+    hidden, mask = _inputs(device=device)
+    grad = torch.randn(3, 13, device=device, requires_grad=True)
+    landmark_mask, positions = LANDMARK_MASK.to(device), POSITIONS.to(device)
     torch.library.opcheck(ops.mean_pool_backward.default, (grad, mask, 11))
     torch.library.opcheck(ops.mean_pool_backward.default, (grad, None, 11, torch.bfloat16))
     _, argmax, _ = ops.max_pool(hidden.detach(), mask)
     torch.library.opcheck(ops.max_pool_backward.default, (grad, argmax, 11))
-    for landmarks in (LANDMARK_MASK, POSITIONS):
+    for landmarks in (landmark_mask, positions):
         torch.library.opcheck(ops.landmark_mean_backward.default, (grad, landmarks, 11))
-    torch.library.opcheck(ops.landmark_mean_backward.default, (grad, POSITIONS, 11, torch.float16))
-    torch.library.opcheck(ops.landmark_gather_backward.default, (torch.randn(3, 4, 13, requires_grad=True), POSITIONS, 11))
+    torch.library.opcheck(ops.landmark_mean_backward.default, (grad, positions, 11, torch.float16))
+    torch.library.opcheck(ops.landmark_gather_backward.default, (torch.randn(3, 4, 13, device=device, requires_grad=True), positions,
+                                                                 11))
 
 
 @pytest.mark.parametrize("name,kind", CASES)
-def test_gradients_are_wired(name, kind):
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_are_wired(name, kind, device):
     # A missing autograd registration leaves .grad None while opcheck still passes: check it directly.
-    fn, hidden, arg = _case(name, kind)
-    (fn(hidden, arg) * torch.randn(fn(hidden, arg).shape)).sum().backward()
+    fn, hidden, arg = _case(name, kind, device=device)
+    (fn(hidden, arg) * torch.randn(fn(hidden, arg).shape, device=device)).sum().backward()
     assert hidden.grad is not None and hidden.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("name,kind", CASES)
-def test_gradcheck_and_gradgradcheck_float64(name, kind):
-    fn, hidden, arg = _case(name, kind, torch.float64)
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck_and_gradgradcheck_float64(name, kind, device):
+    fn, hidden, arg = _case(name, kind, torch.float64, device)
     assert torch.autograd.gradcheck(lambda h: fn(h, arg), (hidden,))
     assert torch.autograd.gradgradcheck(lambda h: fn(h, arg), (hidden,))
 
 
 @pytest.mark.parametrize("op", [*OPS, "landmark_mean+normalize"])
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_compile_fullgraph_matches_eager(op, dynamic):
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_matches_eager(op, dynamic, device):
     torch._dynamo.reset()  # each case compiles the same code object with another op; keep under the recompile limit
     fn = FUNCTIONS[op][0]
 
@@ -106,10 +115,10 @@ def test_compile_fullgraph_matches_eager(op, dynamic):
         return torch.nn.functional.normalize(fn(hidden @ weight, mask), dim=-1)
 
     compiled = torch.compile(model, fullgraph=True, dynamic=dynamic)
-    weight = torch.randn(13, 13, requires_grad=True)
+    weight = torch.randn(13, 13, device=device, requires_grad=True)
     for seq_len in (11, 17):  # a second length exercises the dynamic graph (or a recompile)
-        hidden = torch.randn(3, seq_len, 13, requires_grad=True)
-        mask = torch.rand(3, seq_len) < 0.7
+        hidden = torch.randn(3, seq_len, 13, device=device, requires_grad=True)
+        mask = torch.rand(3, seq_len, device=device) < 0.7
         eager_out = model(hidden, mask, weight)
         eager_grads = torch.autograd.grad(eager_out.square().sum(), (hidden, weight))
         out = compiled(hidden, mask, weight)
@@ -159,23 +168,24 @@ def test_compile_fullgraph_landmark_positions_and_gather():
 
 
 # attention_pool inputs: D = 12 (so that 1, 2, 3, 4 and 6 heads fit) and _inputs' mask.
-def _attention_inputs(dtype=torch.float32, heads=3):
+def _attention_inputs(dtype=torch.float32, heads=3, device="cpu"):
     gen = torch.Generator().manual_seed(1)
-    hidden = torch.randn(3, 11, 12, generator=gen, dtype=dtype).requires_grad_()
-    query = torch.randn(heads, 12 // heads, generator=gen, dtype=dtype).requires_grad_()
-    return hidden, _inputs()[1], query
+    hidden = torch.randn(3, 11, 12, generator=gen, dtype=dtype).to(device).requires_grad_()
+    query = torch.randn(heads, 12 // heads, generator=gen, dtype=dtype).to(device).requires_grad_()
+    return hidden, _inputs(device=device)[1], query
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mask_kind", ["none", "int", "bool"])
 @pytest.mark.parametrize("return_weights", [False, True])
-def test_opcheck_attention_ops(dtype, mask_kind, return_weights):
-    hidden, mask, query = _attention_inputs(dtype)
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_attention_ops(dtype, mask_kind, return_weights, device):
+    hidden, mask, query = _attention_inputs(dtype, device=device)
     mask = {"none": None, "int": mask, "bool": mask.bool()}[mask_kind]
     torch.library.opcheck(ops.attention_pool.default, (hidden, mask, query, None, return_weights))
     torch.library.opcheck(ops.attention_pool.default, (hidden, mask, query[0].repeat(3), 0.7, return_weights))
     out, stats, weights = ops.attention_pool(hidden.detach(), mask, query.detach(), None, True)
-    grad = torch.randn(3, 12, dtype=dtype, requires_grad=True)
+    grad = torch.randn(3, 12, dtype=dtype, device=device, requires_grad=True)
     grad_weights = torch.randn_like(weights).requires_grad_() if return_weights else None
     torch.library.opcheck(ops.attention_pool_backward.default,
                           (grad, grad_weights, hidden, mask, query, out, stats, None))
@@ -184,8 +194,9 @@ def test_opcheck_attention_ops(dtype, mask_kind, return_weights):
 @pytest.mark.parametrize("heads", [1, 3])
 @pytest.mark.parametrize("return_weights", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
-def test_attention_gradcheck_and_gradgradcheck_float64(heads, return_weights, masked):
-    hidden, mask, query = _attention_inputs(torch.float64, heads)
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_gradcheck_and_gradgradcheck_float64(heads, return_weights, masked, device):
+    hidden, mask, query = _attention_inputs(torch.float64, heads, device)
     mask = mask if masked else None
     query = query.detach().flatten().requires_grad_() if heads == 1 else query
 
@@ -196,24 +207,26 @@ def test_attention_gradcheck_and_gradgradcheck_float64(heads, return_weights, ma
     assert torch.autograd.gradgradcheck(fn, (hidden, query))
 
 
-def test_attention_gradients_are_wired():
-    hidden, mask, query = _attention_inputs()
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_gradients_are_wired(device):
+    hidden, mask, query = _attention_inputs(device=device)
     out, weights = lmk_ops.attention_pool(hidden, mask, query, return_weights=True)
-    (out * torch.randn(out.shape)).sum().backward()
+    (out * torch.randn_like(out)).sum().backward()
     assert hidden.grad is not None and hidden.grad.abs().sum() > 0
     assert query.grad is not None and query.grad.abs().sum() > 0
     hidden.grad = query.grad = None
     _, weights = lmk_ops.attention_pool(hidden, mask, query, return_weights=True)
-    (weights * torch.randn(weights.shape)).sum().backward()  # the weights alone carry gradient too
+    (weights * torch.randn_like(weights)).sum().backward()  # the weights alone carry gradient too
     assert hidden.grad.abs().sum() > 0 and query.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("return_weights", [False, True])
-def test_attention_compile_fullgraph_matches_eager(dynamic, return_weights):
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_compile_fullgraph_matches_eager(dynamic, return_weights, device):
     torch._dynamo.reset()
-    weight = torch.randn(12, 12, requires_grad=True)
-    query = torch.randn(4, 3, requires_grad=True)
+    weight = torch.randn(12, 12, device=device, requires_grad=True)
+    query = torch.randn(4, 3, device=device, requires_grad=True)
 
     def model(hidden, mask):
         result = lmk_ops.attention_pool(hidden @ weight, mask, query, return_weights=return_weights)
@@ -223,8 +236,8 @@ def test_attention_compile_fullgraph_matches_eager(dynamic, return_weights):
 
     compiled = torch.compile(model, fullgraph=True, dynamic=dynamic)
     for seq_len in (11, 17):
-        hidden = torch.randn(3, seq_len, 12, requires_grad=True)
-        mask = torch.rand(3, seq_len) < 0.7
+        hidden = torch.randn(3, seq_len, 12, device=device, requires_grad=True)
+        mask = torch.rand(3, seq_len, device=device) < 0.7
         eager = model(hidden, mask)
         eager_grads = torch.autograd.grad(eager, (hidden, weight, query))
         got = compiled(hidden, mask)

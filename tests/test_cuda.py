@@ -176,9 +176,15 @@ def test_empty_and_degenerate_shapes():
             out = fn(hidden)
             assert out.shape == (shape[0], shape[2]) and not out.isnan().any()
             out.sum().backward()
-    hidden = torch.randn(2, 5, 8, device="cuda")
-    vectors, valid = lmk_ops.landmark_gather(hidden, torch.empty(2, 0, dtype=torch.long, device="cuda"))
+    hidden = torch.randn(2, 5, 8, device="cuda", requires_grad=True)
+    no_positions = torch.empty(2, 0, dtype=torch.long, device="cuda")
+    vectors, valid = lmk_ops.landmark_gather(hidden, no_positions)
     assert vectors.shape == (2, 0, 8) and valid.shape == (2, 0)
+    # No landmark listed at all: zeros and a zero gradient, not the mean of every row.
+    out = lmk_ops.landmark_mean(hidden, no_positions)
+    assert torch.equal(out, torch.zeros(2, 8, device="cuda"))
+    (grad,) = torch.autograd.grad(out.sum(), hidden)
+    assert torch.equal(grad, torch.zeros_like(grad))
 
 
 def test_build_info_reports_cuda():

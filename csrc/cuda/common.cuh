@@ -103,18 +103,20 @@ int widest_or_scalar(const at::Tensor& t, int64_t unit) {
   return vec == static_cast<int>(16 / sizeof(scalar_t)) ? vec : 1;
 }
 
-// A text's selected rows in order, as select_rows lists them. order == nullptr means every row, in order.
+// A text's selected rows in order, as select_rows lists them. (An explicit flag for "every row": an empty list of
+// positions has no data pointer either.)
 struct SelectedRows {
   const int64_t* order;  // [B, width]
   const int64_t* count;  // [B]
   int64_t width;
   int64_t seq_len;
+  bool every_row;
 
   __device__ __forceinline__ int64_t rows(int64_t b) const {
-    return order == nullptr ? seq_len : count[b];
+    return every_row ? seq_len : count[b];
   }
   __device__ __forceinline__ int64_t row(int64_t b, int64_t j) const {
-    return order == nullptr ? j : order[b * width + j];
+    return every_row ? j : order[b * width + j];
   }
 };
 
@@ -130,7 +132,8 @@ struct RowList {
 
   SelectedRows view() const {
     return {order.defined() ? order.const_data_ptr<int64_t>() : nullptr,
-            count.defined() ? count.const_data_ptr<int64_t>() : nullptr, order.defined() ? order.size(1) : 0, seq_len};
+            count.defined() ? count.const_data_ptr<int64_t>() : nullptr, order.defined() ? order.size(1) : 0, seq_len,
+            !order.defined()};
   }
 };
 

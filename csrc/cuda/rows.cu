@@ -113,18 +113,20 @@ __device__ Listing find_listing(const int64_t* positions, int64_t listed, int64_
 
 // How often row l of a text is selected: 1 for every row, the mask's 0/1, or the times positions list it.
 struct SelectionView {
+  enum Kind { kEveryRow, kMask, kPositions } kind;
   const bool* mask;
-  const int64_t* positions;
+  const int64_t* positions;  // may be null when listed == 0
   int64_t listed;
 
   __device__ int times(int64_t b, int64_t seq_len, int64_t l) const {
-    if (mask != nullptr) {
-      return mask[b * seq_len + l] ? 1 : 0;
+    switch (kind) {
+      case kMask:
+        return mask[b * seq_len + l] ? 1 : 0;
+      case kPositions:
+        return find_listing(positions + b * listed, listed, l).count;
+      default:
+        return 1;
     }
-    if (positions != nullptr) {
-      return find_listing(positions + b * listed, listed, l).count;
-    }
-    return 1;
   }
 };
 
@@ -279,6 +281,8 @@ void mean_backward(const at::Tensor& scaled, const RowSelection& rows, at::Tenso
   const c10::cuda::CUDAGuard guard(grad_hidden.device());
   const int64_t batch = grad_hidden.size(0), seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
   const SelectionView selection{
+      rows.mask.defined() ? SelectionView::kMask
+                          : (rows.positions.defined() ? SelectionView::kPositions : SelectionView::kEveryRow),
       rows.mask.defined() ? rows.mask.const_data_ptr<bool>() : nullptr,
       rows.positions.defined() ? rows.positions.const_data_ptr<int64_t>() : nullptr,
       rows.positions.defined() ? rows.positions.size(1) : 0};

@@ -80,14 +80,6 @@ void register_attention_ops(torch::Library& m) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(lmk_ops, CPU, m) {
-  register_attention_ops(m);
-}
-
-#ifdef LMK_OPS_WITH_CUDA
-TORCH_LIBRARY_IMPL(lmk_ops, CUDA, m) {
-  register_attention_ops(m);
-}
-#endif
+LMK_OPS_REGISTER_FOR_EVERY_DEVICE(register_attention_ops)
 
 }  // namespace lmk_ops::ops

@@ -59,3 +59,18 @@ const Kernels& kernels();
 const Kernels& kernels_for(const at::Tensor& t);
 
 }  // namespace lmk_ops
+
+// Registers the op implementations that register(torch::Library&) adds, for every device with a kernel table.
+#ifdef LMK_OPS_WITH_CUDA
+#define LMK_OPS_REGISTER_CUDA(register) \
+  TORCH_LIBRARY_IMPL(lmk_ops, CUDA, m) {  \
+    register(m);                         \
+  }
+#else
+#define LMK_OPS_REGISTER_CUDA(register)
+#endif
+#define LMK_OPS_REGISTER_FOR_EVERY_DEVICE(register) \
+  TORCH_LIBRARY_IMPL(lmk_ops, CPU, m) {             \
+    register(m);                                    \
+  }                                                 \
+  LMK_OPS_REGISTER_CUDA(register)

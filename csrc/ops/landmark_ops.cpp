@@ -67,14 +67,6 @@ void register_landmark_ops(torch::Library& m) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(lmk_ops, CPU, m) {
-  register_landmark_ops(m);
-}
-
-#ifdef LMK_OPS_WITH_CUDA
-TORCH_LIBRARY_IMPL(lmk_ops, CUDA, m) {
-  register_landmark_ops(m);
-}
-#endif
+LMK_OPS_REGISTER_FOR_EVERY_DEVICE(register_landmark_ops)
 
 }  // namespace lmk_ops::ops

@@ -89,14 +89,6 @@ void register_pool_ops(torch::Library& m) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(lmk_ops, CPU, m) {
-  register_pool_ops(m);
-}
-
-#ifdef LMK_OPS_WITH_CUDA
-TORCH_LIBRARY_IMPL(lmk_ops, CUDA, m) {
-  register_pool_ops(m);
-}
-#endif
+LMK_OPS_REGISTER_FOR_EVERY_DEVICE(register_pool_ops)
 
 }  // namespace lmk_ops::ops

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <utility>
 
 #include "common/dispatch.h"
 #include "cuda/attention_kernels.h"
@@ -475,16 +476,32 @@ int64_t checked_blocks(int64_t blocks) {
   return blocks;
 }
 
+// What the forward and the backward share: sizes, the valid rows listed, the chunking and the head layout (the
+// backward must use the forward's layout to recompute its scores bit for bit).
+struct Plan {
+  int64_t batch, seq_len, dim, heads, head_dim;
+  RowList list;
+  int64_t chunks;
+  HeadLayout layout;
+  at::TensorOptions wide;  // the accumulation type, on hidden's device
+};
+
+template <typename scalar_t>
+Plan make_plan(const at::Tensor& hidden, const at::Tensor& valid, const at::Tensor& query) {
+  const int64_t batch = hidden.size(0), seq_len = hidden.size(1), heads = query.size(0), head_dim = query.size(1);
+  RowList list = select_valid(valid, batch, seq_len);
+  const int64_t chunks = std::max<int64_t>(1, ceil_div(list.upper, kChunkRows));
+  return {batch, seq_len, hidden.size(2), heads, head_dim, std::move(list), chunks,
+          head_layout<scalar_t>(hidden, heads, head_dim),
+          hidden.options().dtype(at::toOpMathType(hidden.scalar_type()))};
+}
+
 template <typename scalar_t>
 void forward_typed(const at::Tensor& hidden, const at::Tensor& valid, const at::Tensor& query, double scale,
                    at::Tensor& out, at::Tensor& stats, at::Tensor& weights) {
   using acc = acc_t<scalar_t>;
-  const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
-  const int64_t heads = query.size(0), head_dim = query.size(1);
-  const RowList list = select_valid(valid, batch, seq_len);
-  const int64_t chunks = std::max<int64_t>(1, ceil_div(list.upper, kChunkRows));
-  const HeadLayout layout = head_layout<scalar_t>(hidden, heads, head_dim);
-  const at::TensorOptions wide = hidden.options().dtype(at::toOpMathType(hidden.scalar_type()));
+  const Plan plan = make_plan<scalar_t>(hidden, valid, query);
+  const auto& [batch, seq_len, dim, heads, head_dim, list, chunks, layout, wide] = plan;
   at::Tensor part_max, part_sum, part_out;
   if (chunks > 1) {
     part_max = at::empty({batch, chunks, heads}, wide);
@@ -520,12 +537,8 @@ void backward_typed(const at::Tensor& grad, const at::Tensor& grad_weights, cons
                     const at::Tensor& valid, const at::Tensor& query, const at::Tensor& out, const at::Tensor& stats,
                     double scale, at::Tensor& grad_hidden, at::Tensor& grad_query) {
   using acc = acc_t<scalar_t>;
-  const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
-  const int64_t heads = query.size(0), head_dim = query.size(1);
-  const RowList list = select_valid(valid, batch, seq_len);
-  const int64_t chunks = std::max<int64_t>(1, ceil_div(list.upper, kChunkRows));
-  const HeadLayout layout = head_layout<scalar_t>(hidden, heads, head_dim);
-  const at::TensorOptions wide = hidden.options().dtype(at::toOpMathType(hidden.scalar_type()));
+  const Plan plan = make_plan<scalar_t>(hidden, valid, query);
+  const auto& [batch, seq_len, dim, heads, head_dim, list, chunks, layout, wide] = plan;
   at::Tensor prob = at::empty({batch, heads, seq_len}, wide), err = at::empty({batch, heads, seq_len}, wide);
   at::Tensor part_pe = at::empty({batch, chunks, heads}, wide);
   at::Tensor part_pex = at::empty({batch, chunks, dim}, wide), part_px = at::empty({batch, chunks, dim}, wide);

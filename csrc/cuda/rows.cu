@@ -92,6 +92,16 @@ __global__ void list_positions(const int64_t* positions, int64_t listed, int64_t
       [&](int64_t k) { return row[k]; });
 }
 
+// Calls body(row) for each row of [0, rows) this thread's warp owns: a warp per row, striding over the grid. All
+// lanes of a warp get the same rows, so a body may vote across the warp (find_listing).
+template <typename Body>
+__device__ __forceinline__ void for_each_warp_row(int64_t rows, const Body& body) {
+  for (int64_t row = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32; row < rows;
+       row += int64_t{gridDim.x} * kWarpsPerBlock) {
+    body(row);
+  }
+}
+
 // Which entries of positions[0, listed) equal l: how many, and the first. Called by a whole warp.
 struct Listing {
   int64_t first;
@@ -137,8 +147,7 @@ __global__ void mean_backward_kernel(const acc_t<scalar_t>* scaled, SelectionVie
   using acc = acc_t<scalar_t>;
   const int lane = threadIdx.x % 32;
   const int64_t packs = dim / VEC;
-  for (int64_t row = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32; row < batch * seq_len;
-       row += int64_t{gridDim.x} * kWarpsPerBlock) {
+  for_each_warp_row(batch * seq_len, [&](int64_t row) {
     const int64_t b = row / seq_len;
     const acc times = static_cast<acc>(selection.times(b, seq_len, row % seq_len));
     for (int64_t v = lane; v < packs; v += 32) {
@@ -149,7 +158,7 @@ __global__ void mean_backward_kernel(const acc_t<scalar_t>* scaled, SelectionVie
       }
       store_features<VEC>(grad_hidden + row * dim, v, x);
     }
-  }
+  });
 }
 
 // grad_hidden[b, l, d] = grad[b, d] where argmax[b, d] == l, else 0.
@@ -158,8 +167,7 @@ __global__ void max_backward_kernel(const scalar_t* grad, const int32_t* argmax,
                                     int64_t dim, scalar_t* grad_hidden) {
   const int lane = threadIdx.x % 32;
   const int64_t packs = dim / VEC;
-  for (int64_t row = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32; row < batch * seq_len;
-       row += int64_t{gridDim.x} * kWarpsPerBlock) {
+  for_each_warp_row(batch * seq_len, [&](int64_t row) {
     const int64_t b = row / seq_len;
     const auto l = static_cast<int32_t>(row % seq_len);
     for (int64_t v = lane; v < packs; v += 32) {
@@ -171,7 +179,7 @@ __global__ void max_backward_kernel(const scalar_t* grad, const int32_t* argmax,
       }
       *reinterpret_cast<Pack<scalar_t, VEC>*>(grad_hidden + row * dim + v * VEC) = p;
     }
-  }
+  });
 }
 
 // out[b, k] = hidden[b, positions[b, k]], zeros for -1.
@@ -180,8 +188,7 @@ __global__ void gather_kernel(const scalar_t* hidden, int64_t sb, int64_t sl, in
                               int64_t batch, int64_t listed, int64_t dim, scalar_t* out) {
   const int lane = threadIdx.x % 32;
   const int64_t packs = dim / VEC;
-  for (int64_t row = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32; row < batch * listed;
-       row += int64_t{gridDim.x} * kWarpsPerBlock) {
+  for_each_warp_row(batch * listed, [&](int64_t row) {
     const int64_t l = positions[row];
     const scalar_t* src = hidden + (row / listed) * sb + l * sl;
     for (int64_t v = lane; v < packs; v += 32) {
@@ -198,7 +205,7 @@ __global__ void gather_kernel(const scalar_t* hidden, int64_t sb, int64_t sl, in
       }
       *reinterpret_cast<Pack<scalar_t, VEC>*>(out + row * dim + v * VEC) = p;
     }
-  }
+  });
 }
 
 // grad_hidden[b, l] = the sum over k with positions[b, k] == l of grad[b, k]: a copy when one entry lists the row,
@@ -209,8 +216,7 @@ __global__ void scatter_kernel(const scalar_t* grad, const int64_t* positions, i
   using acc = acc_t<scalar_t>;
   const int lane = threadIdx.x % 32;
   const int64_t packs = dim / VEC;
-  for (int64_t row = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32; row < batch * seq_len;
-       row += int64_t{gridDim.x} * kWarpsPerBlock) {
+  for_each_warp_row(batch * seq_len, [&](int64_t row) {
     const int64_t b = row / seq_len, l = row % seq_len;
     const int64_t* listing = positions + b * listed;
     const Listing found = find_listing(listing, listed, l);
@@ -237,7 +243,7 @@ __global__ void scatter_kernel(const scalar_t* grad, const int64_t* positions, i
       }
       store_features<VEC>(grad_hidden + row * dim, v, x);
     }
-  }
+  });
 }
 
 // Enough warps to cover the rows, at most a few waves of blocks (the kernels loop over the rest).

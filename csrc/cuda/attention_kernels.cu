@@ -40,7 +40,7 @@ struct HeadLayout {
 template <typename scalar_t>
 HeadLayout head_layout(const at::Tensor& hidden, int64_t heads, int64_t head_dim) {
   HeadLayout layout{};
-  layout.vec = widest_or_scalar<scalar_t>(hidden, head_dim);
+  layout.vec = vector_width<scalar_t>(hidden, head_dim);
   const int64_t head_lanes = head_dim / layout.vec;
   TORCH_CHECK(
       head_lanes <= 1024, "lmk_ops.attention_pool: on CUDA a head is at most ", 1024 * layout.vec,
@@ -559,7 +559,7 @@ void backward_typed(const at::Tensor& grad, const at::Tensor& grad_weights, cons
       part_pe.const_data_ptr<acc>(), part_pex.const_data_ptr<acc>(), part_px.const_data_ptr<acc>(), list.view(),
       batch, heads, head_dim, chunks, wide_scale, text_sums.data_ptr<acc>(), grad_query.data_ptr<acc>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  with_vector_width<scalar_t>(widest_or_scalar<scalar_t>(grad_hidden, 1), [&]<int VEC>() {
+  with_vector_width<scalar_t>(vector_width<scalar_t>(grad_hidden, 1), [&]<int VEC>() {
     const int64_t packs = batch * seq_len * (dim / VEC);
     const int64_t resident = int64_t{at::cuda::getCurrentDeviceProperties()->multiProcessorCount} * 8;
     attention_grad_rows<scalar_t, VEC><<<std::max<int64_t>(1, std::min(ceil_div(packs, kThreads), resident * 4)),

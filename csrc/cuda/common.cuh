@@ -65,23 +65,19 @@ __device__ __forceinline__ void store_features(scalar_t* row, int64_t v, const a
   *reinterpret_cast<Pack<scalar_t, VEC>*>(row + v * VEC) = p;
 }
 
-// The widest VEC (16 bytes, halving down to 1) for which every row of t starts aligned and holds whole packs of
-// contiguous features, and which divides unit (a head's width; 1 for no constraint beyond the row).
+// 16 / sizeof(scalar_t) (one 16-byte pack) when every row of t starts 16-byte aligned and holds whole packs of
+// contiguous features, and unit (a head's width; 1 for no constraint beyond the row) is whole packs; else 1. Two
+// widths, not four: each kernel is instantiated twice per dtype.
 template <typename scalar_t>
 int vector_width(const at::Tensor& t, int64_t unit) {
+  constexpr int kWidest = 16 / sizeof(scalar_t);
   const int64_t rank = t.dim();
-  const auto address = reinterpret_cast<uintptr_t>(t.const_data_ptr());
-  for (int vec = 16 / static_cast<int>(sizeof(scalar_t)); vec > 1; vec /= 2) {
-    bool ok = t.stride(rank - 1) == 1 && t.size(rank - 1) % vec == 0 && unit % vec == 0 &&
-              address % (vec * sizeof(scalar_t)) == 0;
-    for (int64_t i = 0; i + 1 < rank; ++i) {
-      ok = ok && (t.size(i) == 1 || t.stride(i) % vec == 0);
-    }
-    if (ok) {
-      return vec;
-    }
+  bool ok = t.stride(rank - 1) == 1 && t.size(rank - 1) % kWidest == 0 && unit % kWidest == 0 &&
+            reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  for (int64_t i = 0; i + 1 < rank; ++i) {
+    ok = ok && (t.size(i) == 1 || t.stride(i) % kWidest == 0);
   }
-  return 1;
+  return ok ? kWidest : 1;
 }
 
 // Runs body.template operator()<VEC>() with VEC the compile-time constant for the runtime width (1 or the widest).
@@ -94,13 +90,6 @@ void with_vector_width(int vec, const Body& body) {
     TORCH_INTERNAL_ASSERT(vec == 1, "lmk_ops: unexpected vector width ", vec);
     body.template operator()<1>();
   }
-}
-
-// Widest or nothing: a width between 1 and the widest is used as 1 (two instantiations per kernel, not four).
-template <typename scalar_t>
-int widest_or_scalar(const at::Tensor& t, int64_t unit) {
-  const int vec = vector_width<scalar_t>(t, unit);
-  return vec == static_cast<int>(16 / sizeof(scalar_t)) ? vec : 1;
 }
 
 // A text's selected rows in order, as select_rows lists them. (An explicit flag for "every row": an empty list of

@@ -189,7 +189,7 @@ void pool_forward(const at::Tensor& hidden, const RowSelection& selection, at::T
   auto* argmax_data = kMax ? argmax->data_ptr<int32_t>() : nullptr;
   auto* partial_data = partial.defined() ? partial.data_ptr<acc>() : nullptr;
   auto* partial_where_data = partial_where.defined() ? partial_where.data_ptr<int32_t>() : nullptr;
-  with_vector_width<scalar_t>(widest_or_scalar<scalar_t>(hidden, 1), [&]<int VEC>() {
+  with_vector_width<scalar_t>(vector_width<scalar_t>(hidden, 1), [&]<int VEC>() {
     const int64_t packs = dim / VEC;
     const int lanes = static_cast<int>(std::min<int64_t>(kThreads, ceil_div(packs, 32) * 32));
     const int row_lanes = kThreads / lanes;

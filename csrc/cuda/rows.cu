@@ -293,7 +293,7 @@ void mean_backward(const at::Tensor& scaled, const RowSelection& rows, at::Tenso
       rows.positions.defined() ? rows.positions.const_data_ptr<int64_t>() : nullptr,
       rows.positions.defined() ? rows.positions.size(1) : 0};
   LMK_DISPATCH_FLOATING(grad_hidden.scalar_type(), "mean_backward", [&] {
-    with_vector_width<scalar_t>(widest_or_scalar<scalar_t>(grad_hidden, 1), [&]<int VEC>() {
+    with_vector_width<scalar_t>(vector_width<scalar_t>(grad_hidden, 1), [&]<int VEC>() {
       mean_backward_kernel<scalar_t, VEC><<<row_blocks(batch * seq_len), kThreads, 0, stream()>>>(
           scaled.const_data_ptr<acc_t<scalar_t>>(), selection, batch, seq_len, dim, grad_hidden.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -305,7 +305,7 @@ void max_backward(const at::Tensor& grad, const at::Tensor& argmax, at::Tensor& 
   const c10::cuda::CUDAGuard guard(grad_hidden.device());
   const int64_t batch = grad_hidden.size(0), seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
   LMK_DISPATCH_FLOATING(grad_hidden.scalar_type(), "max_pool_backward", [&] {
-    with_vector_width<scalar_t>(widest_or_scalar<scalar_t>(grad_hidden, 1), [&]<int VEC>() {
+    with_vector_width<scalar_t>(vector_width<scalar_t>(grad_hidden, 1), [&]<int VEC>() {
       max_backward_kernel<scalar_t, VEC><<<row_blocks(batch * seq_len), kThreads, 0, stream()>>>(
           grad.const_data_ptr<scalar_t>(), argmax.const_data_ptr<int32_t>(), batch, seq_len, dim,
           grad_hidden.data_ptr<scalar_t>());
@@ -321,7 +321,7 @@ void gather_forward(const at::Tensor& hidden, const at::Tensor& positions, at::T
     return;
   }
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "landmark_gather", [&] {
-    with_vector_width<scalar_t>(widest_or_scalar<scalar_t>(hidden, 1), [&]<int VEC>() {
+    with_vector_width<scalar_t>(vector_width<scalar_t>(hidden, 1), [&]<int VEC>() {
       gather_kernel<scalar_t, VEC><<<row_blocks(batch * listed), kThreads, 0, stream()>>>(
           hidden.const_data_ptr<scalar_t>(), hidden.stride(0), hidden.stride(1), hidden.stride(2),
           positions.const_data_ptr<int64_t>(), batch, listed, dim, out.data_ptr<scalar_t>());
@@ -334,7 +334,7 @@ void gather_backward(const at::Tensor& grad, const at::Tensor& positions, at::Te
   const c10::cuda::CUDAGuard guard(grad_hidden.device());
   const int64_t batch = grad_hidden.size(0), seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
   LMK_DISPATCH_FLOATING(grad_hidden.scalar_type(), "landmark_gather_backward", [&] {
-    const int vec = std::min(widest_or_scalar<scalar_t>(grad_hidden, 1), widest_or_scalar<scalar_t>(grad, 1));
+    const int vec = std::min(vector_width<scalar_t>(grad_hidden, 1), vector_width<scalar_t>(grad, 1));
     with_vector_width<scalar_t>(vec, [&]<int VEC>() {
       scatter_kernel<scalar_t, VEC><<<row_blocks(batch * seq_len), kThreads, 0, stream()>>>(
           grad.const_data_ptr<scalar_t>(), positions.const_data_ptr<int64_t>(), batch, positions.size(1), seq_len,

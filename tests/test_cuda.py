@@ -4,6 +4,10 @@ Skipped without a GPU. The Hypothesis parity, opcheck, gradcheck and compile tes
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -44,10 +48,11 @@ FUNCTIONS = {
 }
 
 # (B, L, D, layout): one chunk and many chunks (L > 128), 16-byte packs and the scalar path (odd D, strided
-# features), a wide head (D = 1024: 128 lanes of bf16, whole warps per head) and several small ones.
+# features), a wide head (D = 1024: 128 lanes of bf16, whole warps per head) and several small ones, texts listed by
+# several blocks (L > 4096) with mask rows that are not 16-byte aligned (L % 16 != 0).
 SHAPES = [(3, 50, 64, "contiguous"), (2, 1000, 96, "contiguous"), (1, 4100, 40, "contiguous"),
           (4, 300, 33, "contiguous"), (3, 200, 48, "transposed"), (2, 333, 1024, "contiguous"),
-          (5, 130, 40, "offset")]
+          (5, 130, 40, "offset"), (3, 4500, 24, "contiguous")]
 
 
 def _hidden(shape, layout, dtype):
@@ -155,10 +160,107 @@ def test_inputs_on_the_cpu_are_a_clear_error():
         lmk_ops.landmark_mean(hidden, torch.tensor([[0, -1], [1, 2]]))
 
 
-def test_out_of_range_positions_on_cuda_are_a_clear_error():
-    hidden = torch.randn(2, 5, 8, device="cuda")
-    with pytest.raises(RuntimeError, match=r"expected landmark positions in \[0, L\) = \[0, 5\).*got 7 in row 1"):
-        lmk_ops.landmark_mean(hidden, torch.tensor([[0, -1], [1, 7]], device="cuda"))
+def _run_in_a_fresh_process(code):
+    """Runs code in a new Python (a device-side assertion leaves its process's CUDA context unusable)."""
+    return subprocess.run([sys.executable, "-c", "import torch, lmk_ops\n" + code], capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(__file__))
+
+
+@pytest.mark.parametrize("code,message", [
+    ("lmk_ops.landmark_mean(torch.randn(2, 5, 8, device='cuda'), torch.tensor([[0, -1], [1, 7]], device='cuda'))",
+     "lmk_ops.landmark_mean: expected landmark positions in [0, L) = [0, 5) or -1 for none, got 7 in row 1 "
+     "(landmarks[1, 1])"),
+    ("lmk_ops.landmark_gather(torch.randn(2, 5, 8, device='cuda'), torch.tensor([[0, -3], [1, 2]], device='cuda'))",
+     "lmk_ops.landmark_gather: expected landmark positions in [0, L) = [0, 5) or -1 for none, got -3 in row 0 "
+     "(landmarks[0, 1])"),
+    ("lmk_ops.mean_pool(torch.randn(2, 5, 8, device='cuda'), torch.tensor([[1, 1, 0, 0, 0], [1, 2, 1, 0, 0]], "
+     "device='cuda'))", "lmk_ops.mean_pool: expected mask values 0 or 1, got 2 at [1, 1]"),
+], ids=["landmark_mean", "landmark_gather", "mean_pool"])
+def test_bad_values_stop_the_stream_with_the_op_message_and_no_host_sync(code, message):
+    # The value checks run on the device (no synchronisation, so the ops can be captured in CUDA graphs): the
+    # message is printed by the device and the host sees a device-side assertion at its next synchronisation.
+    done = _run_in_a_fresh_process(code + "\ntorch.cuda.synchronize()\nprint('no error')")
+    assert done.returncode != 0 and "no error" not in done.stdout, done.stdout + done.stderr
+    assert message in done.stdout + done.stderr
+    assert "device-side assert" in done.stderr
+
+
+def test_a_head_too_wide_for_cuda_is_a_clear_error():
+    hidden = torch.randn(1, 3, 8192, device="cuda")
+    with pytest.raises(RuntimeError, match=r"lmk_ops\.attention_pool: on CUDA a head is at most 4096 features wide "
+                                           r"in Float \(1024 when its width is not a multiple of 4\), got 8192"):
+        lmk_ops.attention_pool(hidden, None, torch.ones(8192, device="cuda"))
+
+
+# Each op as f(hidden, query) -> output, with a bool mask or positions: the inputs that need no host sync.
+def _graph_functions(mask, positions):
+    return {
+        "mean_pool": lambda h, q: lmk_ops.mean_pool(h, mask),
+        "mean_pool+normalize": lambda h, q: lmk_ops.mean_pool(h, mask, normalize=True),
+        "max_pool": lambda h, q: lmk_ops.max_pool(h, mask),
+        "landmark_mean/mask": lambda h, q: lmk_ops.landmark_mean(h, mask),
+        "landmark_mean/positions": lambda h, q: lmk_ops.landmark_mean(h, positions, normalize=True),
+        "landmark_gather": lambda h, q: lmk_ops.landmark_gather(h, positions)[0],
+        "first_token_pool": lambda h, q: lmk_ops.first_token_pool(h, mask),
+        "last_token_pool": lambda h, q: lmk_ops.last_token_pool(h, mask),
+        "attention_pool@1h": lambda h, q: lmk_ops.attention_pool(h, mask, q.flatten()),
+        "attention_pool@4h+weights": lambda h, q: torch.cat(
+            [t.flatten() for t in lmk_ops.attention_pool(h, mask, q, return_weights=True)]),
+    }
+
+
+GRAPH_CASES = list(_graph_functions(None, None))
+
+
+def _graph_inputs():
+    gen = torch.Generator().manual_seed(21)
+    hidden = torch.randn(4, 300, 256, generator=gen).cuda()
+    mask = (torch.rand(4, 300, generator=gen) < 0.7).cuda()
+    positions = torch.randint(-1, 300, (4, 40), generator=gen).cuda()
+    query = (torch.randn(4, 64, generator=gen) * 0.1).cuda()
+    return hidden, mask, positions, query
+
+
+def _step(fn, hidden, query, upstream):
+    h, q = hidden.detach().requires_grad_(), query.detach().requires_grad_()
+    out = fn(h, q)
+    grads = torch.autograd.grad(out, (h, q), upstream, allow_unused=True)
+    return (out,) + tuple(g for g in grads if g is not None)
+
+
+@pytest.mark.parametrize("name", GRAPH_CASES)
+def test_forward_and_backward_run_without_a_host_sync(name):
+    hidden, mask, positions, query = _graph_inputs()
+    fn = _graph_functions(mask, positions)[name]
+    upstream = torch.randn_like(fn(hidden, query))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _step(fn, hidden, query, upstream)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("name", GRAPH_CASES)
+def test_forward_and_backward_can_be_captured_in_a_cuda_graph_and_replayed(name):
+    static_hidden, mask, positions, query = _graph_inputs()
+    fn = _graph_functions(mask, positions)[name]
+    upstream = torch.randn_like(fn(static_hidden, query))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up on a side stream, as torch.cuda.graph asks
+        for _ in range(2):
+            _step(fn, static_hidden, query, upstream)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _step(fn, static_hidden, query, upstream)
+    for seed in (1, 2):
+        static_hidden.copy_(torch.randn(static_hidden.shape, generator=torch.Generator().manual_seed(seed)).cuda())
+        graph.replay()
+        eager = _step(fn, static_hidden, query, upstream)
+        for got, want in zip(captured, eager):
+            assert torch.equal(got, want), f"{name}: a replay differs from the eager run"
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -1,11 +1,10 @@
 #include "common/checks.h"
 
-#include <ATen/ops/any.h>
-#include <ATen/ops/nonzero.h>
-
-#include <algorithm>
 #include <cmath>
 #include <sstream>
+#include <string>
+
+#include "ops/kernels.h"
 
 namespace lmk_ops {
 
@@ -53,7 +52,8 @@ at::Tensor prepare_mask(
     const std::optional<at::Tensor>& mask,
     int64_t batch,
     int64_t seq_len,
-    const at::Tensor& like) {
+    const at::Tensor& like,
+    Values values) {
   if (!mask.has_value() || !mask->defined()) {
     return at::Tensor();
   }
@@ -73,15 +73,12 @@ at::Tensor prepare_mask(
   }
   // An integer mask is a Hugging Face attention_mask: anything but 0/1 is almost surely a mistake (weights, or
   // token ids passed by accident), so say so instead of treating it as "nonzero = valid".
-  const at::Tensor bad = m.lt(0).logical_or_(m.gt(1));
-  if (bad.any().item<bool>()) {
-    const at::Tensor where = bad.nonzero()[0];
-    const int64_t b = where[0].item<int64_t>(), l = where[1].item<int64_t>();
-    TORCH_CHECK(
-        false, "lmk_ops.", op, ": expected mask values 0 or 1, got ", m[b][l].item<int64_t>(), " at [", b, ", ", l,
-        "]");
+  if (values == Values::kCheck) {
+    kernels_for(m).check_range(
+        m.to(at::kLong).contiguous(), 0, 1, std::string("lmk_ops.") + op + ": expected mask values 0 or 1",
+        /*landmarks=*/false);
   }
-  return m.to(at::kBool).contiguous();
+  return m.ne(0).contiguous();
 }
 
 static void check_landmarks_device(const char* op, const at::Tensor& landmarks, const at::Tensor& like) {
@@ -95,7 +92,8 @@ at::Tensor prepare_positions(
     const at::Tensor& positions,
     int64_t batch,
     int64_t seq_len,
-    const at::Tensor& like) {
+    const at::Tensor& like,
+    Values values) {
   check_landmarks_device(op, positions, like);
   TORCH_CHECK(
       positions.scalar_type() == at::kLong, "lmk_ops.", op,
@@ -104,26 +102,13 @@ at::Tensor prepare_positions(
       positions.dim() == 2 && positions.size(0) == batch, "lmk_ops.", op,
       ": expected landmark positions of shape [B, K] = [", batch, ", K], got ", shape_str(positions.sizes()));
   at::Tensor p = positions.contiguous();
-  // The first entry outside [-1, seq_len), or -1 when all are in range. On the CPU a plain loop, which costs far
-  // less than the pooling it guards; on a GPU one reduction (an out-of-range position would be a read outside
-  // hidden, so it is checked before any kernel runs, at the price of one synchronisation).
-  int64_t bad = -1;
-  if (p.is_cpu()) {
-    const int64_t* data = p.const_data_ptr<int64_t>();
-    for (int64_t i = 0; i < p.numel() && bad < 0; ++i) {
-      bad = data[i] >= -1 && data[i] < seq_len ? -1 : i;
-    }
-  } else if (p.numel() > 0) {
-    const at::Tensor out_of_range = p.lt(-1).logical_or_(p.ge(seq_len)).flatten();
-    if (out_of_range.any().item<bool>()) {
-      bad = out_of_range.nonzero()[0][0].item<int64_t>();
-    }
+  // An out-of-range position would be a read outside hidden, so it is checked before any kernel runs.
+  if (values == Values::kCheck) {
+    std::ostringstream expected;
+    expected << "lmk_ops." << op << ": expected landmark positions in [0, L) = [0, " << seq_len
+             << ") or -1 for none";
+    kernels_for(p).check_range(p, -1, seq_len - 1, expected.str(), /*landmarks=*/true);
   }
-  const int64_t listed = p.size(1);
-  TORCH_CHECK(
-      bad < 0, "lmk_ops.", op, ": expected landmark positions in [0, L) = [0, ", seq_len, ") or -1 for none, got ",
-      p.flatten()[std::max<int64_t>(bad, 0)].item<int64_t>(), " in row ", bad / listed, " (landmarks[", bad / listed,
-      ", ", bad % listed, "])");
   return p;
 }
 
@@ -132,13 +117,14 @@ RowSelection prepare_landmarks(
     const at::Tensor& landmarks,
     int64_t batch,
     int64_t seq_len,
-    const at::Tensor& like) {
+    const at::Tensor& like,
+    Values values) {
   TORCH_CHECK(
       landmarks.scalar_type() == at::kBool || landmarks.scalar_type() == at::kLong, "lmk_ops.", op,
       ": expected landmarks as a bool mask [B, L] or int64 positions [B, K] padded with -1, got ",
       landmarks.scalar_type());
   if (landmarks.scalar_type() == at::kLong) {
-    return {at::Tensor(), prepare_positions(op, landmarks, batch, seq_len, like)};
+    return {at::Tensor(), prepare_positions(op, landmarks, batch, seq_len, like, values)};
   }
   check_landmarks_device(op, landmarks, like);
   TORCH_CHECK(

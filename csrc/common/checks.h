@@ -23,6 +23,12 @@ inline void check_pooled_grad(const char* op, const at::Tensor& grad) {
 // dtype, when given: the floating dtype a backward op returns its gradient in.
 void check_grad_dtype(const char* op, std::optional<at::ScalarType> dtype);
 
+// Whether the values of a mask or of positions are checked (forward ops) or trusted (backward ops, which get what
+// their forward checked). Shapes, dtypes and devices are always checked. Value checks never synchronise with a GPU:
+// on the CPU they raise at once; on CUDA a device-side check prints the same message and stops the stream (the
+// host sees "device-side assert triggered" at its next synchronisation), so the ops can be captured in CUDA graphs.
+enum class Values { kCheck, kTrusted };
+
 // Validates an attention mask against [batch, seq_len] and like's device. Accepts bool or integer tensors whose
 // values are 0 or 1 (a Hugging Face attention_mask). Returns it as a contiguous bool tensor, or an undefined tensor
 // when no mask was given (every token valid).
@@ -31,7 +37,8 @@ at::Tensor prepare_mask(
     const std::optional<at::Tensor>& mask,
     int64_t batch,
     int64_t seq_len,
-    const at::Tensor& like);
+    const at::Tensor& like,
+    Values values = Values::kCheck);
 
 // Validates landmarks against [batch, seq_len] and like's device: a bool mask [B, L], or int64 positions [B, K]
 // holding -1 (no landmark) or a position in [0, seq_len). Returns the one that was given, contiguous.
@@ -40,7 +47,8 @@ RowSelection prepare_landmarks(
     const at::Tensor& landmarks,
     int64_t batch,
     int64_t seq_len,
-    const at::Tensor& like);
+    const at::Tensor& like,
+    Values values = Values::kCheck);
 
 // Validates int64 positions [batch, K] holding -1 or a position in [0, seq_len); returns them contiguous.
 at::Tensor prepare_positions(
@@ -48,7 +56,8 @@ at::Tensor prepare_positions(
     const at::Tensor& positions,
     int64_t batch,
     int64_t seq_len,
-    const at::Tensor& like);
+    const at::Tensor& like,
+    Values values = Values::kCheck);
 
 // The heads of an attention query: count H and width D / H.
 struct Heads {

@@ -223,8 +223,9 @@ void max_backward(const at::Tensor& grad, const at::Tensor& argmax, at::Tensor& 
 
 const Kernels& kernels() {
   // The row-copying kernels (cpu/rows.cpp) gain nothing from wider vectors and are compiled once.
-  static const Kernels k{&mean_forward,        &max_forward,    cpu::mean_backward,       &max_backward,
-                         cpu::gather_forward, cpu::gather_backward, &attention_forward, &attention_backward};
+  static const Kernels k{cpu::check_range,    &mean_forward,        &max_forward,       cpu::mean_backward,
+                         &max_backward,       cpu::gather_forward, cpu::gather_backward, &attention_forward,
+                         &attention_backward};
   return k;
 }
 

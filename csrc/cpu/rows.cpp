@@ -25,7 +25,7 @@ at::Tensor times_selected(const RowSelection& rows, int64_t batch, int64_t seq_l
   const int64_t* p = rows.positions.const_data_ptr<int64_t>();
   int32_t* t = times.data_ptr<int32_t>();
   for (int64_t i = 0; i < batch * listed; ++i) {
-    if (p[i] >= 0) {
+    if (p[i] >= 0 && p[i] < seq_len) {  // trusted (checked by the forward), but never a write outside
       ++t[(i / listed) * seq_len + p[i]];
     }
   }
@@ -108,7 +108,7 @@ void scatter_rows(const at::Tensor& grad, const at::Tensor& positions, at::Tenso
     for (int64_t b = begin; b < end; ++b) {
       rows.clear();
       for (int64_t k = 0; k < listed; ++k) {
-        if (p[b * listed + k] >= 0) {
+        if (p[b * listed + k] >= 0 && p[b * listed + k] < seq_len) {
           rows.emplace_back(p[b * listed + k], k);
         }
       }
@@ -138,6 +138,20 @@ void scatter_rows(const at::Tensor& grad, const at::Tensor& positions, at::Tenso
 }
 
 }  // namespace
+
+void check_range(const at::Tensor& values, int64_t lo, int64_t hi, const std::string& expected, bool landmarks) {
+  const int64_t* data = values.const_data_ptr<int64_t>();
+  const int64_t numel = values.numel(), cols = values.size(-1);
+  for (int64_t i = 0; i < numel; ++i) {
+    if (data[i] < lo || data[i] > hi) {
+      const int64_t r = i / cols, c = i % cols;
+      if (landmarks) {
+        TORCH_CHECK(false, expected, ", got ", data[i], " in row ", r, " (landmarks[", r, ", ", c, "])");
+      }
+      TORCH_CHECK(false, expected, ", got ", data[i], " at [", r, ", ", c, "]");
+    }
+  }
+}
 
 void mean_backward(const at::Tensor& scaled, const RowSelection& rows, at::Tensor& grad_hidden) {
   const at::Tensor times = times_selected(rows, grad_hidden.size(0), grad_hidden.size(1));

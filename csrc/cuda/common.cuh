@@ -14,6 +14,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -24,6 +25,8 @@ namespace lmk_ops::cuda {
 template <typename scalar_t>
 using acc_t = at::opmath_type<scalar_t>;
 
+// Threads of every block. Kernels that take whole blocks of it say so with __launch_bounds__(kThreads), so that
+// ptxas keeps them within the registers a block of this size may use (a launch never fails for resources).
 constexpr int kThreads = 256;
 constexpr int64_t kChunkRows = 128;
 // Rows each thread loads before using any of them: independent 16-byte loads in flight hide memory latency.
@@ -54,6 +57,22 @@ __device__ __forceinline__ void load_features(const scalar_t* row, int64_t v, in
   }
 }
 
+// VEC values of T from p, widened to acc: one or several 16-byte loads (p aligned to min(16, VEC * sizeof(T))
+// bytes when VEC > 1; packs_fit says when a tensor's rows allow it). Serves the [B, D] side inputs of the row
+// writers (gradients, queries, argmax), whose element type may be wider than the rows written.
+template <int VEC, typename T, typename acc>
+__device__ __forceinline__ void load_pack(const T* p, acc (&x)[VEC]) {
+  constexpr int kPer = VEC * sizeof(T) <= 16 ? VEC : 16 / static_cast<int>(sizeof(T));
+#pragma unroll
+  for (int c = 0; c < VEC / kPer; ++c) {
+    const Pack<T, kPer> piece = *reinterpret_cast<const Pack<T, kPer>*>(p + c * kPer);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      x[c * kPer + i] = static_cast<acc>(piece.v[i]);
+    }
+  }
+}
+
 // Rounds VEC values to scalar_t and stores them at row + v * VEC (row contiguous and aligned when VEC > 1).
 template <int VEC, typename scalar_t, typename acc>
 __device__ __forceinline__ void store_features(scalar_t* row, int64_t v, const acc (&x)[VEC]) {
@@ -78,6 +97,12 @@ int vector_width(const at::Tensor& t, int64_t unit) {
     ok = ok && (t.size(i) == 1 || t.stride(i) % kWidest == 0);
   }
   return ok ? kWidest : 1;
+}
+
+// Whether t (contiguous) can be read as packs of vec elements by load_pack: 16-byte aligned, whole packs per row.
+inline bool packs_fit(const at::Tensor& t, int vec) {
+  return vec == 1 || (t.is_contiguous() && t.size(-1) % vec == 0 &&
+                      reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0);
 }
 
 // Runs body.template operator()<VEC>() with VEC the compile-time constant for the runtime width (1 or the widest).
@@ -109,10 +134,10 @@ struct SelectedRows {
   }
 };
 
-// The selected rows of each text, listed in order on the device: for a mask its true rows followed by its false
-// rows (a stable partition, so the unselected rows can be visited too); for positions the entries that are not
-// -1. Nothing is listed when every row is selected. `upper` is the most rows a text can have (no synchronisation
-// is needed to size the grid: blocks past a text's count return at once).
+// The selected rows of each text, listed in order on the device: for a mask its true rows, for positions the
+// entries that are not -1; nothing past count[b] is written. Nothing is listed when every row is selected.
+// `upper` is the most rows a text can have (no synchronisation is needed to size the grid: blocks past a text's
+// count return at once).
 struct RowList {
   at::Tensor order;  // int64 [B, width], or undefined for every row
   at::Tensor count;  // int64 [B], or undefined for every row
@@ -149,6 +174,25 @@ __device__ __forceinline__ acc device_exp(acc x) {
   } else {
     return ::expf(x);
   }
+}
+
+constexpr int kWarpsPerBlock = kThreads / 32;
+
+// Calls body(row) for each row of [0, rows) this thread's warp owns: a warp per row, striding over the grid. All
+// lanes of a warp get the same rows, so a body may vote or shuffle across the warp.
+template <typename Body>
+__device__ __forceinline__ void for_each_warp_row(int64_t rows, const Body& body) {
+  for (int64_t row = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32; row < rows;
+       row += int64_t{gridDim.x} * kWarpsPerBlock) {
+    body(row);
+  }
+}
+
+// Blocks for `items` units of work at per_block a block (warps or threads), at most a few waves: grid-stride
+// kernels loop over the rest.
+inline int64_t grid_for(int64_t items, int64_t per_block) {
+  const int64_t resident = int64_t{at::cuda::getCurrentDeviceProperties()->multiProcessorCount} * 8;
+  return std::max<int64_t>(1, std::min(ceil_div(items, per_block), resident * 4));
 }
 
 inline cudaStream_t stream() {

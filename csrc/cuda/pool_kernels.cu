@@ -1,9 +1,11 @@
 // CUDA forward kernels of mean and max pooling over a selection of rows (mean_pool, max_pool, landmark_mean).
 //
 // One block reduces one chunk of kChunkRows selected rows of one text, for one tile of features (common.cuh says
-// why). Its threads are X feature lanes (a 16-byte pack of features each where rows are aligned) by Y row lanes:
-// row lane y takes the chunk's rows y, y + Y, ... in order, kRowsInFlight loads at a time; the Y lanes are then
-// combined in order through shared memory. A text with one chunk is finished by that block; longer texts leave
+// why). Its threads are kFeatureLanes feature lanes (a 16-byte pack of features each where rows are aligned: a
+// warp reads 512 contiguous bytes of a row) by kThreads / kFeatureLanes row lanes: row lane y takes the chunk's
+// rows y, y + Y, ... in order, kRowsInFlight loads at a time; the Y lanes are then combined in order through shared
+// memory. Tiles one warp wide give a medium batch enough blocks to fill the GPU (32 x 512 x 768 in bfloat16: 384
+// blocks), and the order of every addition still depends only on D and on the text's own rows. A text with one chunk is finished by that block; longer texts leave
 // per-chunk partial results that a second kernel combines in chunk order.
 #include <ATen/ops/empty.h>
 
@@ -16,6 +18,8 @@
 
 namespace lmk_ops::cuda {
 namespace {
+
+constexpr int kFeatureLanes = 32;
 
 // Max with torch.max's rules: a greater value wins, a NaN wins over a number (the first NaN is kept), and of equal
 // values the earlier row is kept. where < 0 marks "nothing kept yet".
@@ -32,7 +36,7 @@ __device__ __forceinline__ bool takes_over(acc x, int64_t at, acc best, int64_t 
 }
 
 template <bool kMax, typename scalar_t, typename out_t, int VEC>
-__global__ void pool_chunks(const scalar_t* hidden, int64_t sb, int64_t sl, int64_t sd, SelectedRows rows,
+__global__ void __launch_bounds__(kThreads) pool_chunks(const scalar_t* hidden, int64_t sb, int64_t sl, int64_t sd, SelectedRows rows,
                             int64_t dim, int64_t chunks, int64_t tiles, out_t* out, int32_t* argmax,
                             acc_t<scalar_t>* partial, int32_t* partial_where) {
   using acc = acc_t<scalar_t>;
@@ -191,8 +195,7 @@ void pool_forward(const at::Tensor& hidden, const RowSelection& selection, at::T
   auto* partial_where_data = partial_where.defined() ? partial_where.data_ptr<int32_t>() : nullptr;
   with_vector_width<scalar_t>(vector_width<scalar_t>(hidden, 1), [&]<int VEC>() {
     const int64_t packs = dim / VEC;
-    const int lanes = static_cast<int>(std::min<int64_t>(kThreads, ceil_div(packs, 32) * 32));
-    const int row_lanes = kThreads / lanes;
+    const int lanes = kFeatureLanes, row_lanes = kThreads / kFeatureLanes;
     const int64_t tiles = ceil_div(packs, lanes);
     const int64_t blocks = batch * chunks * tiles;
     TORCH_CHECK(

@@ -1,10 +1,14 @@
-// Row listing (select_rows) and the CUDA kernels that write whole rows: the mean and max backward, landmark gather
-// and its backward. A warp owns a row: it finds what the row needs (how often it is selected, which gradient rows
-// list it), then writes it once with 16-byte stores where the row is aligned.
+// Row listing (select_rows), value checks on the device, and the CUDA kernels that write whole rows: the mean and
+// max backward, landmark gather and its backward. A warp owns a row: it learns what the row needs (how often it is
+// selected, which gradient rows list it), then writes it once with 16-byte stores where the row is aligned.
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <cassert>
+#include <cstdio>
+#include <limits>
 
 #include "common/dispatch.h"
 #include "cuda/common.cuh"
@@ -13,14 +17,18 @@
 namespace lmk_ops::cuda {
 namespace {
 
-constexpr int kScanThreads = 1024;
-constexpr int kWarpsPerBlock = kThreads / 32;
+// Row listing: each thread takes kListItems consecutive entries of a text (16 mask bytes: one 16-byte load where
+// aligned), so a block lists a segment of kListSegment entries. A long text is split over several blocks, which
+// matters when the batch is small (one text of 32k tokens: 8 blocks instead of one block walking 32k entries).
+constexpr int kListItems = 16;
+constexpr int64_t kListSegment = int64_t{kThreads} * kListItems;
 
-// Exclusive prefix sum of flag over the block, and the block's total. Every thread must call it.
-__device__ int block_exclusive_scan(int flag, int& total) {
-  __shared__ int warp_totals[kScanThreads / 32];
+// Exclusive prefix sum of value over the block (of at most 1024 threads), and the block's total. Every thread must
+// call it.
+__device__ int block_exclusive_scan(int value, int& total) {
+  __shared__ int warp_totals[32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  int inclusive = flag;
+  int inclusive = value;
   for (int offset = 1; offset < 32; offset *= 2) {
     const int up = __shfl_up_sync(0xffffffffu, inclusive, offset);
     inclusive += lane >= offset ? up : 0;
@@ -40,121 +48,193 @@ __device__ int block_exclusive_scan(int flag, int& total) {
     }
   }
   __syncthreads();
-  const int before = (warp > 0 ? warp_totals[warp - 1] : 0) + inclusive - flag;
+  const int before = (warp > 0 ? warp_totals[warp - 1] : 0) + inclusive - value;
   total = warp_totals[warps - 1];
   __syncthreads();  // warp_totals is reused by the next call
   return before;
 }
 
-// One block per text. keep(i) says whether entry i of the text is selected and value(i) what to list for it.
-// Lists the selected entries in order, then (with partition) the others in order; writes the count.
-template <bool kPartition, typename Keep, typename Value>
-__device__ void list_rows(int64_t n, int64_t* order, int64_t* count, const Keep& keep, const Value& value) {
-  int64_t selected = 0;
-  if (kPartition) {
-    for (int64_t base = 0; base < n; base += blockDim.x) {
-      const int64_t i = base + threadIdx.x;
-      int tile_total;
-      block_exclusive_scan(i < n && keep(i), tile_total);
-      selected += tile_total;
+// The entries of a bool mask [B, n]: entry i is selected when true, and lists as row i.
+struct MaskEntries {
+  const bool* mask;
+  int64_t n;
+
+  // Bit j: entry first + j is selected (entries past n are not).
+  __device__ unsigned flags(int64_t b, int64_t first) const {
+    const bool* p = mask + b * n + first;
+    unsigned bits = 0;
+    if (first + kListItems <= n && reinterpret_cast<uintptr_t>(p) % 16 == 0) {
+      const uint4 word = *reinterpret_cast<const uint4*>(p);
+      const unsigned parts[4] = {word.x, word.y, word.z, word.w};
+#pragma unroll
+      for (int j = 0; j < kListItems; ++j) {
+        bits |= ((parts[j / 4] >> (8 * (j % 4))) & 0xffu ? 1u : 0u) << j;
+      }
+    } else {
+      for (int j = 0; j < kListItems && first + j < n; ++j) {
+        bits |= (p[j] ? 1u : 0u) << j;
+      }
     }
+    return bits;
   }
-  int64_t kept_before = 0;
-  for (int64_t base = 0; base < n; base += blockDim.x) {
-    const int64_t i = base + threadIdx.x;
-    const bool in_range = i < n, kept = in_range && keep(i);
-    int tile_total;
-    const int before = block_exclusive_scan(kept, tile_total);
-    if (kept) {
-      order[kept_before + before] = value(i);
-    } else if (kPartition && in_range) {
-      order[selected + (i - kept_before - before)] = value(i);
-    }
-    kept_before += tile_total;
+  __device__ int64_t value(int64_t, int64_t i) const {
+    return i;
   }
-  if (threadIdx.x == 0) {
-    *count = kept_before;
-  }
-}
-
-__global__ void list_mask_rows(const bool* mask, int64_t seq_len, int64_t* order, int64_t* count) {
-  const int64_t b = blockIdx.x;
-  const bool* row = mask + b * seq_len;
-  list_rows<true>(
-      seq_len, order + b * seq_len, count + b, [&](int64_t l) { return row[l]; }, [](int64_t l) { return l; });
-}
-
-__global__ void list_positions(const int64_t* positions, int64_t listed, int64_t* order, int64_t* count) {
-  const int64_t b = blockIdx.x;
-  const int64_t* row = positions + b * listed;
-  list_rows<false>(
-      listed, order + b * listed, count + b, [&](int64_t k) { return row[k] >= 0; },
-      [&](int64_t k) { return row[k]; });
-}
-
-// Calls body(row) for each row of [0, rows) this thread's warp owns: a warp per row, striding over the grid. All
-// lanes of a warp get the same rows, so a body may vote across the warp (find_listing).
-template <typename Body>
-__device__ __forceinline__ void for_each_warp_row(int64_t rows, const Body& body) {
-  for (int64_t row = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32; row < rows;
-       row += int64_t{gridDim.x} * kWarpsPerBlock) {
-    body(row);
-  }
-}
-
-// Which entries of positions[0, listed) equal l: how many, and the first. Called by a whole warp.
-struct Listing {
-  int64_t first;
-  int count;
 };
 
-__device__ Listing find_listing(const int64_t* positions, int64_t listed, int64_t l) {
-  const int lane = threadIdx.x % 32;
-  Listing found{-1, 0};
-  for (int64_t base = 0; base < listed; base += 32) {
-    const unsigned hits = __ballot_sync(0xffffffffu, base + lane < listed && positions[base + lane] == l);
-    if (hits != 0 && found.count == 0) {
-      found.first = base + __ffs(hits) - 1;
+// The entries of positions [B, n]: entry k is selected unless it is -1, and lists as row positions[b, k].
+struct PositionEntries {
+  const int64_t* positions;
+  int64_t n;
+
+  __device__ unsigned flags(int64_t b, int64_t first) const {
+    unsigned bits = 0;
+    for (int j = 0; j < kListItems && first + j < n; ++j) {
+      bits |= (positions[b * n + first + j] >= 0 ? 1u : 0u) << j;
     }
-    found.count += __popc(hits);
+    return bits;
   }
-  return found;
+  __device__ int64_t value(int64_t b, int64_t k) const {
+    return positions[b * n + k];
+  }
+};
+
+// Block (b, s) counts the selected entries of segment s of text b (only when a text spans several segments).
+template <typename Entries>
+__global__ void __launch_bounds__(kThreads) count_segments(Entries entries, int64_t segments, int32_t* counts) {
+  const int64_t b = blockIdx.x / segments, s = blockIdx.x % segments;
+  int total;
+  block_exclusive_scan(__popc(entries.flags(b, s * kListSegment + int64_t{threadIdx.x} * kListItems)), total);
+  if (threadIdx.x == 0) {
+    counts[blockIdx.x] = total;
+  }
 }
 
-// How often row l of a text is selected: 1 for every row, the mask's 0/1, or the times positions list it.
-struct SelectionView {
-  enum Kind { kEveryRow, kMask, kPositions } kind;
-  const bool* mask;
-  const int64_t* positions;  // may be null when listed == 0
-  int64_t listed;
-
-  __device__ int times(int64_t b, int64_t seq_len, int64_t l) const {
-    switch (kind) {
-      case kMask:
-        return mask[b * seq_len + l] ? 1 : 0;
-      case kPositions:
-        return find_listing(positions + b * listed, listed, l).count;
-      default:
-        return 1;
+// Block (b, s) lists the selected entries of segment s of text b in order, after those of the segments before it
+// (counts, from count_segments, when there are several); the last segment writes the text's count.
+template <typename Entries>
+__global__ void __launch_bounds__(kThreads) list_segments(Entries entries, int64_t segments, const int32_t* counts,
+                                                          int64_t* order, int64_t* count) {
+  __shared__ int64_t offset;
+  const int64_t b = blockIdx.x / segments, s = blockIdx.x % segments;
+  if (threadIdx.x == 0) {
+    int64_t before = 0;
+    for (int64_t t = 0; t < s; ++t) {
+      before += counts[b * segments + t];
     }
+    offset = before;
+  }
+  const int64_t first = s * kListSegment + int64_t{threadIdx.x} * kListItems;
+  unsigned bits = entries.flags(b, first);
+  int total;
+  const int before = block_exclusive_scan(__popc(bits), total);  // its barrier also publishes offset
+  int64_t* out = order + b * entries.n + offset + before;
+  for (int rank = 0; bits != 0; ++rank, bits &= bits - 1) {
+    out[rank] = entries.value(b, first + __ffs(bits) - 1);
+  }
+  if (threadIdx.x == 0 && s == segments - 1) {
+    count[b] = offset + total;
+  }
+}
+
+template <typename Entries>
+void list_entries(const Entries& entries, int64_t batch, at::Tensor& order, at::Tensor& count) {
+  const int64_t segments = ceil_div(entries.n, kListSegment);
+  at::Tensor counts;
+  if (segments > 1) {
+    counts = at::empty({batch, segments}, order.options().dtype(at::kInt));
+    count_segments<<<batch * segments, kThreads, 0, stream()>>>(entries, segments, counts.data_ptr<int32_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  list_segments<<<batch * segments, kThreads, 0, stream()>>>(
+      entries, segments, counts.defined() ? counts.const_data_ptr<int32_t>() : nullptr, order.data_ptr<int64_t>(),
+      count.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The first entry of values (int64 [rows, cols], flattened) outside [lo, hi], by an integer atomicMin (the result
+// does not depend on the order of the threads); `first` starts at numel.
+__global__ void find_out_of_range(const int64_t* values, int64_t numel, int64_t lo, int64_t hi,
+                                  unsigned long long* first) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < numel; i += int64_t{gridDim.x} * blockDim.x) {
+    if (values[i] < lo || values[i] > hi) {
+      atomicMin(first, static_cast<unsigned long long>(i));
+    }
+  }
+}
+
+// Reports the entry find_out_of_range found with the op's message, then stops the stream with a device-side
+// assertion (which the host sees at its next synchronisation as "device-side assert triggered").
+__global__ void report_out_of_range(const int64_t* values, int64_t numel, int64_t cols,
+                                    const unsigned long long* first, RangeMessage message) {
+  const auto i = static_cast<int64_t>(*first);
+  if (i < numel) {
+    if (message.landmarks) {
+      printf("%s, got %lld in row %lld (landmarks[%lld, %lld])\n", message.expected,
+             static_cast<long long>(values[i]), static_cast<long long>(i / cols), static_cast<long long>(i / cols),
+             static_cast<long long>(i % cols));
+    } else {
+      printf("%s, got %lld at [%lld, %lld]\n", message.expected, static_cast<long long>(values[i]),
+             static_cast<long long>(i / cols), static_cast<long long>(i % cols));
+    }
+    __assert_fail("lmk_ops input check (see the message above)", __FILE__, __LINE__, __func__);
+  }
+}
+
+// The inverse of positions [B, K]: how many entries list each row (b, l) and the first of them, built once for a
+// backward (a warp per row then finds its entries without scanning the K listed positions). Integer atomics: the
+// counts and minima do not depend on the order the threads run in. Entries outside [0, L) are skipped (the forward
+// checked them; a backward op never reads or writes outside its tensors).
+__global__ void index_positions(const int64_t* positions, int64_t batch, int64_t listed, int64_t seq_len,
+                                int32_t* times, int32_t* first) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < batch * listed;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t l = positions[i];
+    if (l >= 0 && l < seq_len) {
+      const int64_t row = (i / listed) * seq_len + l;
+      atomicAdd(times + row, 1);
+      if (first != nullptr) {
+        atomicMin(first + row, static_cast<int32_t>(i % listed));
+      }
+    }
+  }
+}
+
+// How often row (b, l) is selected: 1 for every row (both null), the mask's 0/1, or the times positions list it.
+struct SelectionView {
+  const bool* mask;
+  const int32_t* times;
+
+  __device__ int of(int64_t row) const {
+    return mask != nullptr ? (mask[row] ? 1 : 0) : (times != nullptr ? times[row] : 1);
   }
 };
 
 // grad_hidden[b, l] = scaled[b] * times(b, l), rounded once; zeros for an unselected row.
 template <typename scalar_t, int VEC>
-__global__ void mean_backward_kernel(const acc_t<scalar_t>* scaled, SelectionView selection, int64_t batch,
-                                     int64_t seq_len, int64_t dim, scalar_t* grad_hidden) {
+__global__ void __launch_bounds__(kThreads) mean_backward_kernel(const acc_t<scalar_t>* scaled,
+                                                                 SelectionView selection, int64_t batch,
+                                                                 int64_t seq_len, int64_t dim,
+                                                                 scalar_t* grad_hidden) {
   using acc = acc_t<scalar_t>;
   const int lane = threadIdx.x % 32;
   const int64_t packs = dim / VEC;
   for_each_warp_row(batch * seq_len, [&](int64_t row) {
-    const int64_t b = row / seq_len;
-    const acc times = static_cast<acc>(selection.times(b, seq_len, row % seq_len));
+    const acc times = static_cast<acc>(selection.of(row));
+    const acc* source = scaled + (row / seq_len) * dim;
     for (int64_t v = lane; v < packs; v += 32) {
       acc x[VEC];
+      if (times == acc(0)) {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        x[i] = times == acc(0) ? acc(0) : scaled[b * dim + v * VEC + i] * times;
+        for (int i = 0; i < VEC; ++i) {
+          x[i] = acc(0);
+        }
+      } else {
+        load_pack<VEC>(source + v * VEC, x);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          x[i] *= times;
+        }
       }
       store_features<VEC>(grad_hidden + row * dim, v, x);
     }
@@ -163,19 +243,35 @@ __global__ void mean_backward_kernel(const acc_t<scalar_t>* scaled, SelectionVie
 
 // grad_hidden[b, l, d] = grad[b, d] where argmax[b, d] == l, else 0.
 template <typename scalar_t, int VEC>
-__global__ void max_backward_kernel(const scalar_t* grad, const int32_t* argmax, int64_t batch, int64_t seq_len,
-                                    int64_t dim, scalar_t* grad_hidden) {
+__global__ void __launch_bounds__(kThreads) max_backward_kernel(const scalar_t* grad, const int32_t* argmax,
+                                                                int64_t batch, int64_t seq_len, int64_t dim,
+                                                                scalar_t* grad_hidden) {
   const int lane = threadIdx.x % 32;
   const int64_t packs = dim / VEC;
   for_each_warp_row(batch * seq_len, [&](int64_t row) {
     const int64_t b = row / seq_len;
     const auto l = static_cast<int32_t>(row % seq_len);
     for (int64_t v = lane; v < packs; v += 32) {
+      int32_t where[VEC];
+      load_pack<VEC>(argmax + b * dim + v * VEC, where);
       Pack<scalar_t, VEC> p;
+      bool any = false;
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        const int64_t d = v * VEC + i;
-        p.v[i] = argmax[b * dim + d] == l ? grad[b * dim + d] : scalar_t(0);
+        any = any || where[i] == l;
+      }
+      if (any) {
+        scalar_t g[VEC];
+        load_pack<VEC>(grad + b * dim + v * VEC, g);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          p.v[i] = where[i] == l ? g[i] : scalar_t(0);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          p.v[i] = scalar_t(0);
+        }
       }
       *reinterpret_cast<Pack<scalar_t, VEC>*>(grad_hidden + row * dim + v * VEC) = p;
     }
@@ -184,8 +280,9 @@ __global__ void max_backward_kernel(const scalar_t* grad, const int32_t* argmax,
 
 // out[b, k] = hidden[b, positions[b, k]], zeros for -1.
 template <typename scalar_t, int VEC>
-__global__ void gather_kernel(const scalar_t* hidden, int64_t sb, int64_t sl, int64_t sd, const int64_t* positions,
-                              int64_t batch, int64_t listed, int64_t dim, scalar_t* out) {
+__global__ void __launch_bounds__(kThreads) gather_kernel(const scalar_t* hidden, int64_t sb, int64_t sl, int64_t sd,
+                                                          const int64_t* positions, int64_t batch, int64_t listed,
+                                                          int64_t dim, scalar_t* out) {
   const int lane = threadIdx.x % 32;
   const int64_t packs = dim / VEC;
   for_each_warp_row(batch * listed, [&](int64_t row) {
@@ -209,36 +306,35 @@ __global__ void gather_kernel(const scalar_t* hidden, int64_t sb, int64_t sl, in
 }
 
 // grad_hidden[b, l] = the sum over k with positions[b, k] == l of grad[b, k]: a copy when one entry lists the row,
-// zeros when none does, else a sum in k order in the accumulation type, rounded once.
+// zeros when none does, else a sum in k order (from the first listing on) in the accumulation type, rounded once.
 template <typename scalar_t, int VEC>
-__global__ void scatter_kernel(const scalar_t* grad, const int64_t* positions, int64_t batch, int64_t listed,
-                               int64_t seq_len, int64_t dim, scalar_t* grad_hidden) {
+__global__ void __launch_bounds__(kThreads) scatter_kernel(const scalar_t* grad, const int64_t* positions,
+                                                           const int32_t* times, const int32_t* first,
+                                                           int64_t batch, int64_t listed, int64_t seq_len,
+                                                           int64_t dim, scalar_t* grad_hidden) {
   using acc = acc_t<scalar_t>;
   const int lane = threadIdx.x % 32;
   const int64_t packs = dim / VEC;
   for_each_warp_row(batch * seq_len, [&](int64_t row) {
     const int64_t b = row / seq_len, l = row % seq_len;
+    const int count = times[row];
     const int64_t* listing = positions + b * listed;
-    const Listing found = find_listing(listing, listed, l);
     for (int64_t v = lane; v < packs; v += 32) {
       acc x[VEC];
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         x[i] = acc(0);
       }
-      if (found.count > 0) {
-        for (int64_t k = found.first; k < listed; ++k) {
-          if (listing[k] == l) {
-            acc g[VEC];
-            load_features<VEC>(grad + (b * listed + k) * dim, v, 1, g);
+      int found = 0;
+      for (int64_t k = count > 0 ? first[row] : listed; found < count && k < listed; ++k) {
+        if (listing[k] == l) {
+          acc g[VEC];
+          load_features<VEC>(grad + (b * listed + k) * dim, v, 1, g);
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) {
-              x[i] += g[i];
-            }
+          for (int i = 0; i < VEC; ++i) {
+            x[i] += g[i];
           }
-          if (found.count == 1) {
-            break;  // the only listing was the first
-          }
+          ++found;
         }
       }
       store_features<VEC>(grad_hidden + row * dim, v, x);
@@ -246,10 +342,21 @@ __global__ void scatter_kernel(const scalar_t* grad, const int64_t* positions, i
   });
 }
 
-// Enough warps to cover the rows, at most a few waves of blocks (the kernels loop over the rest).
-int64_t row_blocks(int64_t rows) {
-  const int64_t resident = int64_t{at::cuda::getCurrentDeviceProperties()->multiProcessorCount} * 8;
-  return std::max<int64_t>(1, std::min(ceil_div(rows, kWarpsPerBlock), resident * 4));
+// The inverse of positions (index_positions): times [B, L] and, with first, the first entry listing each row.
+std::pair<at::Tensor, at::Tensor> invert_positions(const at::Tensor& positions, int64_t seq_len, bool with_first) {
+  const int64_t batch = positions.size(0), listed = positions.size(1);
+  TORCH_CHECK(listed <= std::numeric_limits<int32_t>::max(), "lmk_ops: at most 2^31 - 1 landmark positions per "
+              "text, got ", listed);
+  at::Tensor times = at::zeros({batch, seq_len}, positions.options().dtype(at::kInt));
+  at::Tensor first = with_first ? at::full({batch, seq_len}, listed, positions.options().dtype(at::kInt))
+                                : at::Tensor();
+  if (batch * listed > 0) {
+    index_positions<<<grid_for(batch * listed, kThreads), kThreads, 0, stream()>>>(
+        positions.const_data_ptr<int64_t>(), batch, listed, seq_len, times.data_ptr<int32_t>(),
+        with_first ? first.data_ptr<int32_t>() : nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return {times, first};
 }
 
 }  // namespace
@@ -258,13 +365,12 @@ RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_le
   if (selection.mask.defined()) {
     const at::Tensor& mask = selection.mask;
     at::Tensor order = at::empty({batch, seq_len}, mask.options().dtype(at::kLong));
-    at::Tensor count = at::empty({batch}, mask.options().dtype(at::kLong));
+    at::Tensor count;
     if (batch > 0 && seq_len > 0) {
-      list_mask_rows<<<batch, kScanThreads, 0, stream()>>>(
-          mask.const_data_ptr<bool>(), seq_len, order.data_ptr<int64_t>(), count.data_ptr<int64_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      count = at::empty({batch}, mask.options().dtype(at::kLong));  // written by list_entries
+      list_entries(MaskEntries{mask.const_data_ptr<bool>(), seq_len}, batch, order, count);
     } else {
-      count.zero_();
+      count = at::zeros({batch}, mask.options().dtype(at::kLong));
     }
     return {order, count, seq_len, seq_len};
   }
@@ -272,29 +378,51 @@ RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_le
     const at::Tensor& positions = selection.positions;
     const int64_t listed = positions.size(1);
     at::Tensor order = at::empty({batch, listed}, positions.options());
-    at::Tensor count = at::zeros({batch}, positions.options());
+    at::Tensor count;
     if (batch > 0 && listed > 0) {
-      list_positions<<<batch, kScanThreads, 0, stream()>>>(
-          positions.const_data_ptr<int64_t>(), listed, order.data_ptr<int64_t>(), count.data_ptr<int64_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      count = at::empty({batch}, positions.options());  // written by list_entries
+      list_entries(PositionEntries{positions.const_data_ptr<int64_t>(), listed}, batch, order, count);
+    } else {
+      count = at::zeros({batch}, positions.options());
     }
     return {order, count, listed, seq_len};
   }
   return {at::Tensor(), at::Tensor(), seq_len, seq_len};
 }
 
+void check_range(const at::Tensor& values, int64_t lo, int64_t hi, const std::string& expected, bool landmarks) {
+  const c10::cuda::CUDAGuard guard(values.device());
+  const int64_t numel = values.numel();
+  if (numel == 0) {
+    return;
+  }
+  RangeMessage message{};
+  expected.copy(message.expected, sizeof(message.expected) - 1);
+  message.landmarks = landmarks;
+  at::Tensor first = at::full({1}, numel, values.options().dtype(at::kLong));
+  auto* first_data = reinterpret_cast<unsigned long long*>(first.data_ptr<int64_t>());
+  find_out_of_range<<<grid_for(numel, kThreads), kThreads, 0, stream()>>>(
+      values.const_data_ptr<int64_t>(), numel, lo, hi, first_data);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  report_out_of_range<<<1, 1, 0, stream()>>>(values.const_data_ptr<int64_t>(), numel, values.size(-1), first_data,
+                                             message);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void mean_backward(const at::Tensor& scaled, const RowSelection& rows, at::Tensor& grad_hidden) {
   const c10::cuda::CUDAGuard guard(grad_hidden.device());
   const int64_t batch = grad_hidden.size(0), seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
-  const SelectionView selection{
-      rows.mask.defined() ? SelectionView::kMask
-                          : (rows.positions.defined() ? SelectionView::kPositions : SelectionView::kEveryRow),
-      rows.mask.defined() ? rows.mask.const_data_ptr<bool>() : nullptr,
-      rows.positions.defined() ? rows.positions.const_data_ptr<int64_t>() : nullptr,
-      rows.positions.defined() ? rows.positions.size(1) : 0};
+  at::Tensor times;
+  if (rows.positions.defined()) {
+    times = invert_positions(rows.positions, seq_len, /*with_first=*/false).first;
+  }
+  const SelectionView selection{rows.mask.defined() ? rows.mask.const_data_ptr<bool>() : nullptr,
+                                times.defined() ? times.const_data_ptr<int32_t>() : nullptr};
   LMK_DISPATCH_FLOATING(grad_hidden.scalar_type(), "mean_backward", [&] {
-    with_vector_width<scalar_t>(vector_width<scalar_t>(grad_hidden, 1), [&]<int VEC>() {
-      mean_backward_kernel<scalar_t, VEC><<<row_blocks(batch * seq_len), kThreads, 0, stream()>>>(
+    int vec = vector_width<scalar_t>(grad_hidden, 1);
+    vec = packs_fit(scaled, vec) ? vec : 1;
+    with_vector_width<scalar_t>(vec, [&]<int VEC>() {
+      mean_backward_kernel<scalar_t, VEC><<<grid_for(batch * seq_len, kWarpsPerBlock), kThreads, 0, stream()>>>(
           scaled.const_data_ptr<acc_t<scalar_t>>(), selection, batch, seq_len, dim, grad_hidden.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
@@ -305,8 +433,10 @@ void max_backward(const at::Tensor& grad, const at::Tensor& argmax, at::Tensor& 
   const c10::cuda::CUDAGuard guard(grad_hidden.device());
   const int64_t batch = grad_hidden.size(0), seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
   LMK_DISPATCH_FLOATING(grad_hidden.scalar_type(), "max_pool_backward", [&] {
-    with_vector_width<scalar_t>(vector_width<scalar_t>(grad_hidden, 1), [&]<int VEC>() {
-      max_backward_kernel<scalar_t, VEC><<<row_blocks(batch * seq_len), kThreads, 0, stream()>>>(
+    int vec = vector_width<scalar_t>(grad_hidden, 1);
+    vec = packs_fit(grad, vec) && packs_fit(argmax, vec) ? vec : 1;
+    with_vector_width<scalar_t>(vec, [&]<int VEC>() {
+      max_backward_kernel<scalar_t, VEC><<<grid_for(batch * seq_len, kWarpsPerBlock), kThreads, 0, stream()>>>(
           grad.const_data_ptr<scalar_t>(), argmax.const_data_ptr<int32_t>(), batch, seq_len, dim,
           grad_hidden.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -322,7 +452,7 @@ void gather_forward(const at::Tensor& hidden, const at::Tensor& positions, at::T
   }
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "landmark_gather", [&] {
     with_vector_width<scalar_t>(vector_width<scalar_t>(hidden, 1), [&]<int VEC>() {
-      gather_kernel<scalar_t, VEC><<<row_blocks(batch * listed), kThreads, 0, stream()>>>(
+      gather_kernel<scalar_t, VEC><<<grid_for(batch * listed, kWarpsPerBlock), kThreads, 0, stream()>>>(
           hidden.const_data_ptr<scalar_t>(), hidden.stride(0), hidden.stride(1), hidden.stride(2),
           positions.const_data_ptr<int64_t>(), batch, listed, dim, out.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -333,12 +463,13 @@ void gather_forward(const at::Tensor& hidden, const at::Tensor& positions, at::T
 void gather_backward(const at::Tensor& grad, const at::Tensor& positions, at::Tensor& grad_hidden) {
   const c10::cuda::CUDAGuard guard(grad_hidden.device());
   const int64_t batch = grad_hidden.size(0), seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
+  const auto [times, first] = invert_positions(positions, seq_len, /*with_first=*/true);
   LMK_DISPATCH_FLOATING(grad_hidden.scalar_type(), "landmark_gather_backward", [&] {
     const int vec = std::min(vector_width<scalar_t>(grad_hidden, 1), vector_width<scalar_t>(grad, 1));
     with_vector_width<scalar_t>(vec, [&]<int VEC>() {
-      scatter_kernel<scalar_t, VEC><<<row_blocks(batch * seq_len), kThreads, 0, stream()>>>(
-          grad.const_data_ptr<scalar_t>(), positions.const_data_ptr<int64_t>(), batch, positions.size(1), seq_len,
-          dim, grad_hidden.data_ptr<scalar_t>());
+      scatter_kernel<scalar_t, VEC><<<grid_for(batch * seq_len, kWarpsPerBlock), kThreads, 0, stream()>>>(
+          grad.const_data_ptr<scalar_t>(), positions.const_data_ptr<int64_t>(), times.const_data_ptr<int32_t>(),
+          first.const_data_ptr<int32_t>(), batch, positions.size(1), seq_len, dim, grad_hidden.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

@@ -60,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor> attention_pool_backward(
   if (has_grad_weights) {
     check_float_tensor(op, "grad_weights", *grad_weights, {batch, heads.count, seq_len}, hidden);
   }
-  const at::Tensor valid = prepare_mask(op, mask, batch, seq_len, hidden);
+  const at::Tensor valid = prepare_mask(op, mask, batch, seq_len, hidden, Values::kTrusted);
   const at::ScalarType acc = at::toOpMathType(hidden.scalar_type());
   at::Tensor grad_hidden = at::empty({batch, seq_len, dim}, hidden.options());
   at::Tensor grad_query = at::zeros({heads.count, heads.dim}, hidden.options().dtype(acc));

@@ -28,7 +28,7 @@ at::Tensor landmark_mean_backward(
   check_pooled_grad(op, grad);
   check_grad_dtype(op, dtype);
   TORCH_CHECK(seq_len >= 0, "lmk_ops.", op, ": expected seq_len >= 0, got ", seq_len);
-  const RowSelection rows = prepare_landmarks(op, landmarks, grad.size(0), seq_len, grad);
+  const RowSelection rows = prepare_landmarks(op, landmarks, grad.size(0), seq_len, grad, Values::kTrusted);
   return mean_of_rows_backward(grad, rows, seq_len, dtype);
 }
 
@@ -47,7 +47,7 @@ at::Tensor landmark_gather_backward(const at::Tensor& grad, const at::Tensor& po
   constexpr const char* op = "landmark_gather_backward";
   check_grad(op, grad, 3, "[B, K, D]");
   TORCH_CHECK(seq_len >= 0, "lmk_ops.", op, ": expected seq_len >= 0, got ", seq_len);
-  const at::Tensor p = prepare_positions(op, positions, grad.size(0), seq_len, grad);
+  const at::Tensor p = prepare_positions(op, positions, grad.size(0), seq_len, grad, Values::kTrusted);
   TORCH_CHECK(
       p.size(1) == grad.size(1), "lmk_ops.", op, ": expected grad_out of shape [B, K, D] with K = ", p.size(1),
       " (as positions), got ", shape_str(grad.sizes()));

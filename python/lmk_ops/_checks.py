@@ -1,8 +1,8 @@
 """Structural input checks for the fake (meta) kernels, worded exactly as the C++ checks in csrc/common/checks.cpp.
 
 Under torch.compile the fake kernels see the inputs first, so a bad call must fail there with the same message it
-gets eagerly. Checks that need tensor values (mask entries are 0/1, argmax and landmark positions in range) exist only
-in C++.
+gets eagerly. Checks that need tensor values (mask entries are 0/1, landmark positions in range) exist only in C++,
+in the forward ops.
 """
 
 from __future__ import annotations

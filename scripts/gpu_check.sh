@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The one command for a GPU machine (one H100 or H200, no network, see ../shared/GPU.md): builds lmk_ops with its
+# CUDA kernels against the torch installed there, using every core; runs tests/test_cuda.py (stopping at the first
+# failure), then the rest of the suite's CUDA cases; then compute-sanitizer's memcheck, racecheck, synccheck and
+# initcheck on scripts/cuda_kernel_tour.py, which launches every kernel; then the CUDA benchmark report. Each step's
+# log, the JUnit results and the report's JSON go to RESULTS_DIR, and a summary is printed at the end. Usage:
+#   bash scripts/gpu_check.sh RESULTS_DIR
+set -uo pipefail
+results="${1:?usage: bash scripts/gpu_check.sh RESULTS_DIR}"
+mkdir -p "$results"
+results="$(cd "$results" && pwd)"
+cd "$(dirname "$0")/.."
+root="$(pwd)"
+py="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+site="$(mktemp -d)"
+summary=()
+
+# step NAME LOG COMMAND...: runs the command with its output in RESULTS_DIR/LOG, and notes how it ended.
+step() {
+  local name="$1" log="$results/$2"
+  shift 2
+  local start=$SECONDS
+  echo "== $name"
+  "$@" >"$log" 2>&1
+  local rc=$?
+  tail -n 5 "$log"
+  summary+=("$(printf '%-34s %-6s %4ss  %s' "$name" "$([ $rc -eq 0 ] && echo ok || echo FAILED)" \
+    $((SECONDS - start)) "$(basename "$log")")")
+  return $rc
+}
+
+build() {
+  # A wheel installed into a private directory: the machine's Python may refuse installs into itself.
+  "$py" -m pip wheel -v --no-build-isolation --no-deps -C cmake.define.LMK_OPS_CUDA=ON \
+    -C build-dir=build/gpu-check -w "$site/wheel" . &&
+    "$py" -m pip install -q --no-deps --target "$site/lib" "$site"/wheel/lmk_ops-*.whl &&
+    PYTHONPATH="$site/lib" "$py" -c "import lmk_ops, torch; print(torch.__version__, torch.cuda.get_device_name(), lmk_ops.build_info())"
+}
+
+# Tests run from outside the checkout, so the built package (not python/lmk_ops) is imported.
+in_site() {
+  (cd "$site" && PYTHONPATH="$site/lib:$root/tests" "$@")
+}
+
+sanitize() {
+  in_site compute-sanitizer --tool "$1" --error-exitcode 1 --print-limit 20 "$py" "$root/scripts/cuda_kernel_tour.py"
+}
+
+nvidia-smi -L >"$results/gpu.txt" 2>&1
+if step "build (torch on this machine)" build.log build; then
+  step "tests/test_cuda.py (-x)" test_cuda.log in_site "$py" -m pytest -q -x -p no:cacheprovider \
+    --junitxml="$results/test_cuda.xml" "$root/tests/test_cuda.py"
+  step "suite, CUDA cases" test_suite_cuda.log in_site "$py" -m pytest -q -p no:cacheprovider -n 8 -k cuda \
+    --junitxml="$results/test_suite_cuda.xml" "$root/tests" --ignore="$root/tests/test_cuda.py"
+  for tool in memcheck racecheck synccheck initcheck; do
+    step "compute-sanitizer $tool" "sanitizer_$tool.log" sanitize "$tool"
+  done
+  step "benchmark report (CUDA)" bench.log in_site "$py" -m lmk_ops.bench --device cuda \
+    --shapes 64x512x1024,8x8192x1024,1x32768x1024 --json "$results/bench-cuda.json"
+fi
+
+echo
+echo "gpu_check summary ($(head -n 1 "$results/gpu.txt"); logs in $results)"
+printf '%s\n' "${summary[@]}"
+! printf '%s\n' "${summary[@]}" | grep -q FAILED

@@ -51,7 +51,9 @@ nvidia-smi -L >"$results/gpu.txt" 2>&1
 if step "build (torch on this machine)" build.log build; then
   step "tests/test_cuda.py (-x)" test_cuda.log in_site "$py" -m pytest -q -x -p no:cacheprovider \
     --junitxml="$results/test_cuda.xml" "$root/tests/test_cuda.py"
-  step "suite, CUDA cases" test_suite_cuda.log in_site "$py" -m pytest -q -p no:cacheprovider -n 8 -k cuda \
+  parallel=()
+  "$py" -c "import xdist" 2>/dev/null && parallel=(-n 8)
+  step "suite, CUDA cases" test_suite_cuda.log in_site "$py" -m pytest -q -p no:cacheprovider "${parallel[@]}" -k cuda \
     --junitxml="$results/test_suite_cuda.xml" "$root/tests" --ignore="$root/tests/test_cuda.py"
   for tool in memcheck racecheck synccheck initcheck; do
     step "compute-sanitizer $tool" "sanitizer_$tool.log" sanitize "$tool"

@@ -27,6 +27,10 @@ TORCH_LIBRARY(lmk_ops, m) {
   // positions: int64 [B, K] padded with -1; returns [B, K, D], zero rows for -1.
   m.def("landmark_gather(Tensor hidden, Tensor positions) -> Tensor", tags);
   m.def("landmark_gather_backward(Tensor grad_out, Tensor positions, SymInt seq_len) -> Tensor", tags);
+  // A [B, L] attention mask as a fresh bool tensor, its values checked as the pooling ops check them (0/1 for an
+  // integer mask), with errors naming `op`: the helpers written in Python (first_token_pool, last_token_pool) call it
+  // so that a bad value fails the same way eagerly and inside a compiled graph.
+  m.def("valid_mask(Tensor mask, str op) -> Tensor", tags);
   // query: [D] (one head) or [H, D / H] (H heads, head h scoring and pooling features [h D / H, (h + 1) D / H)).
   // scale defaults to 1 / sqrt(D / H). Returns (out [B, D] in hidden's dtype; stats [B, H, 2] in float64, the
   // softmax statistics {max score, sum of exp(score - max)}, -inf for a text with no valid token; weights

@@ -162,8 +162,8 @@ BAD_QUERIES = [
     ("no heads", lambda: torch.randn(0, 5), {}, r"expected query of shape .* got \[0, 5\]"),
     ("integer query", lambda: torch.ones(12, dtype=torch.long), {}, r"expected query of dtype float16, bfloat16, "
      r"float32 or float64, got Long"),
-    ("infinite scale", lambda: torch.randn(12), {"scale": float("inf")}, r"expected a finite scale, got inf"),
-    ("NaN scale", lambda: torch.randn(12), {"scale": float("nan")}, r"expected a finite scale, got nan"),
+    ("infinite scale", lambda: torch.randn(12), {"scale": float("inf")}, r"expected a scale finite in float32, got inf"),
+    ("NaN scale", lambda: torch.randn(12), {"scale": float("nan")}, r"expected a scale finite in float32, got nan"),
 ]
 
 

@@ -143,7 +143,8 @@ def test_training_intervals_are_reproducible_and_used_per_row():
 @pytest.mark.parametrize("bad,pattern", [
     ({"interval": 0}, r"expected interval >= 1"),
     ({"interval": torch.tensor([4])}, r"expected per-row intervals as a \[B\] = \[2\] tensor"),
-    ({"attention_mask": torch.ones(2, 3)}, r"expected attention_mask of shape \[2, 4\]"),
+    ({"attention_mask": torch.ones(2, 3, dtype=torch.long)}, r"expected attention_mask of shape \[2, 4\]"),
+    ({"attention_mask": torch.ones(2, 4)}, r"expected attention_mask as a bool or integer 0/1 tensor, got torch.float32"),
     ({"attention_mask": torch.full((2, 4), 2)}, r"expected attention_mask values 0 or 1"),
     ({"padding_side": "middle"}, r"expected padding_side 'left', 'right' or None"),
 ])

@@ -193,3 +193,29 @@ def test_example_script_runs():
                             env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "LMK embeddings (4, 384)" in result.stdout and "mean pooling: max |difference|" in result.stdout
+
+
+def test_one_string_is_one_text_and_no_texts_is_a_clear_error(tokenizer):
+    one = hf.tokenize_with_landmarks(tokenizer, "one string of words", interval=2)
+    assert one.input_ids.shape[0] == 1
+    assert torch.equal(one.input_ids, hf.tokenize_with_landmarks(tokenizer, ["one string of words"], interval=2).input_ids)
+    for texts in ([], [None]):
+        with pytest.raises(ValueError, match=r"^lmk_ops\.hf\.tokenize_with_landmarks: expected a string or a non-empty "
+                                             r"list of strings"):
+            hf.tokenize_with_landmarks(tokenizer, texts)
+
+
+def test_landmark_transformer_does_not_warn_about_texts_it_truncates(caplog):
+    _require("sentence_transformers")
+    from lmk_ops.sentence_transformers import LandmarkTransformer
+
+    module = LandmarkTransformer(MODEL_PATH, interval=16, max_seq_length=64)
+    long_text = " ".join(WORDS * 80)  # far past the model's 512 tokens before truncation
+    transformers.logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            features = module.preprocess([long_text])
+    finally:
+        transformers.logging.disable_propagation()
+    assert features["input_ids"].shape[1] == 64
+    assert not [r for r in caplog.records if "longer than the specified maximum" in r.getMessage()]

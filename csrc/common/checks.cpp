@@ -1,6 +1,7 @@
 #include "common/checks.h"
 
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -155,8 +156,10 @@ Heads check_query(const char* op, const at::Tensor& query, const at::Tensor& hid
 }
 
 double resolve_scale(const char* op, std::optional<double> scale, int64_t head_dim) {
+  // The kernels score in float32 (for float32 and the half types): a scale beyond its range would be inf there.
   TORCH_CHECK(
-      !scale.has_value() || std::isfinite(*scale), "lmk_ops.", op, ": expected a finite scale, got ", *scale);
+      !scale.has_value() || (std::isfinite(*scale) && std::abs(*scale) <= std::numeric_limits<float>::max()),
+      "lmk_ops.", op, ": expected a scale finite in float32, got ", *scale);
   return scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim)));
 }
 

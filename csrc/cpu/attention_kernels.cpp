@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "common/dispatch.h"
@@ -70,17 +71,17 @@ inline acc_t<scalar_t> dot(const scalar_t* x, int64_t stride, const acc_t<scalar
 }
 
 // total[i] += chunk[i], then chunk[i] = 0, for n values: a chunk's sums folded into the running totals.
-template <typename acc>
-inline void fold_chunk(acc* total, acc* chunk, int64_t n) {
+template <typename total_t, typename acc>
+inline void fold_chunk(total_t* total, acc* chunk, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     total[i] += chunk[i];
     chunk[i] = acc(0);
   }
 }
 
-// Sums over rows run in chunks of kChunkRows rows, each chunk's sum folded into the total: float32 error then grows
-// with the number of chunks rather than with L (a plain running sum over thousands of rows loses digits).
-constexpr int64_t kChunkRows = 32;
+// Sums over rows run in chunks of kFoldRows rows in the accumulation type, each chunk's sum folded into a float64
+// total: the float32 error then stays that of kFoldRows additions, whatever L.
+constexpr int64_t kFoldRows = 32;
 
 // The online softmax of one text's block of heads, as a reducer for reduce_rows. Call fold() after the last row.
 template <typename scalar_t>
@@ -90,23 +91,27 @@ struct SoftmaxReducer {
   const acc* query;  // the block's heads, [heads, head_dim]
   acc scale;
   int64_t heads, head_dim;
-  acc* weighted;     // [2 * n]: sum over rows of exp(score - running_max) * row, then the current chunk's sum
-  acc* running_max;  // [heads]
-  acc* total;        // [2 * heads]: sum over rows of exp(score - running_max), then the current chunk's sum
-  acc* scores;       // [heads, seq_len]: each row's raw score, kept when the weights are returned; else nullptr
+  acc* weighted;            // [n]: the current chunk's sum over rows of exp(score - running_max) * row
+  double* weighted_total;   // [n]: the same over the folded chunks
+  acc* running_max;         // [heads]
+  acc* total;               // [heads]: the current chunk's sum over rows of exp(score - running_max)
+  double* total_sum;        // [heads]: the same over the folded chunks
+  acc* scores;              // [heads, seq_len]: each row's raw score, kept when the weights are returned; else nullptr
   int64_t seq_len;
   int64_t chunk_rows = 0;
 
   void init(const scalar_t* row, int64_t stride, int64_t n, int64_t l) {
-    std::fill_n(weighted, 2 * n, acc(0));
+    std::fill_n(weighted, n, acc(0));
+    std::fill_n(weighted_total, n, 0.0);
     std::fill_n(running_max, heads, -std::numeric_limits<acc>::infinity());
-    std::fill_n(total, 2 * heads, acc(0));
+    std::fill_n(total, heads, acc(0));
+    std::fill_n(total_sum, heads, 0.0);
     step(&row, &l, 1, stride, n);
   }
 
   void fold() {
-    fold_chunk(weighted, weighted + heads * head_dim, heads * head_dim);
-    fold_chunk(total, total + heads, heads);
+    fold_chunk(weighted_total, weighted, heads * head_dim);
+    fold_chunk(total_sum, total, heads);
     chunk_rows = 0;
   }
 
@@ -125,35 +130,37 @@ struct SoftmaxReducer {
         }
         group_max = std::max(group_max, s[r]);  // a NaN score is passed over here and poisons the total below
       }
-      acc* w = weighted + offset;
-      acc* chunk_w = weighted + heads * head_dim + offset;
+      acc* chunk_w = weighted + offset;
       if (group_max > running_max[h]) {
         if (running_max[h] != -std::numeric_limits<acc>::infinity()) {  // else nothing was added yet
           const acc factor = std::exp(running_max[h] - group_max);
-          scale_in_place(w, factor);
+          scale_in_place(weighted_total + offset, factor);
           scale_in_place(chunk_w, factor);
+          total_sum[h] *= factor;
           total[h] *= factor;
-          total[heads + h] *= factor;
         }
         running_max[h] = group_max;
       }
       acc p[kRowGroup];
       for (int r = 0; r < k; ++r) {
         p[r] = std::exp(s[r] - running_max[h]);
-        total[heads + h] += p[r];
+        total[h] += p[r];
       }
       add_rows(chunk_w, p, x, k, stride);
     }
     chunk_rows += k;
-    if (chunk_rows >= kChunkRows) {
+    if (chunk_rows >= kFoldRows) {
       fold();
     }
   }
 
-  void scale_in_place(acc* w, acc factor) const {
+  template <typename T>
+  void scale_in_place(T* w, acc factor) const {
     int64_t i = 0;
-    for (; i + Vec::size() <= head_dim; i += Vec::size()) {
-      (Vec::loadu(w + i) * Vec(factor)).store(w + i);
+    if constexpr (std::is_same_v<T, acc>) {
+      for (; i + Vec::size() <= head_dim; i += Vec::size()) {
+        (Vec::loadu(w + i) * Vec(factor)).store(w + i);
+      }
     }
     for (; i < head_dim; ++i) {
       w[i] *= factor;
@@ -204,23 +211,26 @@ void attention_forward_typed(const at::Tensor& hidden, const at::Tensor& valid, 
   with_row_selectors(RowSelection{valid, at::Tensor()}, seq_len, [&](int64_t rows_per_text, const auto& rows_of) {
     for_each_text_block(batch, rows_per_text, dim, head_dim, [&](int64_t b, int64_t d0, int64_t n) {
       const int64_t h0 = d0 / head_dim, block_heads = n / head_dim;
-      std::vector<acc> state(2 * n + 3 * block_heads);
+      std::vector<acc> state(n + 2 * block_heads);
+      std::vector<double> totals(n + block_heads);
       acc* scores = w != nullptr ? w + (b * heads + h0) * seq_len : nullptr;
-      SoftmaxReducer<scalar_t> reducer{q + d0, static_cast<acc>(scale), block_heads, head_dim, state.data(),
-                                       state.data() + 2 * n, state.data() + 2 * n + block_heads, scores, seq_len};
+      SoftmaxReducer<scalar_t> reducer{q + d0,          static_cast<acc>(scale), block_heads,
+                                       head_dim,        state.data(),            totals.data(),
+                                       state.data() + n, state.data() + n + block_heads, totals.data() + n,
+                                       scores,          seq_len};
       const auto rows = rows_of(b);
       const int64_t count = reduce_rows(h + b * sb + d0 * sd, sl, sd, n, rows, reducer);
       reducer.fold();
       scalar_t* dst = o + b * dim + d0;
       double* text_stats = all_stats + (b * heads + h0) * 2;
       for (int64_t hh = 0; hh < block_heads; ++hh) {
-        const acc total = count > 0 ? reducer.total[hh] : acc(0);
+        const double total = count > 0 ? reducer.total_sum[hh] : 0.0;
         if (count > 0) {
           text_stats[2 * hh] = reducer.running_max[hh];
           text_stats[2 * hh + 1] = total;
         }
         for (int64_t i = hh * head_dim; i < (hh + 1) * head_dim; ++i) {
-          dst[i] = count > 0 ? static_cast<scalar_t>(state[i] / total) : scalar_t(0);
+          dst[i] = count > 0 ? static_cast<scalar_t>(totals[i] / total) : scalar_t(0);
         }
       }
       if (scores != nullptr && count > 0) {
@@ -296,12 +306,13 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
       // prob[hh * count + j] = p of the j-th valid row; coef holds e, then scale * p * (e - S).
       std::vector<acc> prob(block_heads * count), coef(block_heads * count);
       // Running sums, per feature: sum_l p_l e_l (x_l - m) and sum_l p_l (x_l - m); per head: S = sum_l p_l e_l.
-      // Rows add into the current chunk's sums, folded into the totals every kChunkRows rows.
-      std::vector<acc> sums(2 * (2 * n + block_heads), acc(0));
-      acc* pe_rows = sums.data();
-      acc* p_rows = pe_rows + n;
-      acc* total_pe = p_rows + n;
-      acc* chunk = total_pe + block_heads;  // the same three, for the current chunk
+      // Rows add into the current chunk's sums, folded into float64 totals every kFoldRows rows.
+      std::vector<double> totals(2 * n + block_heads, 0.0);
+      std::vector<acc> chunk_sums(2 * n + block_heads, acc(0));
+      const double* pe_rows = totals.data();
+      const double* p_rows = pe_rows + n;
+      const double* total_pe = p_rows + n;
+      acc* chunk = chunk_sums.data();  // the same three, for the current chunk
       const scalar_t* text = h + b * sb + d0 * sd;
       const acc* gb = g + b * dim + d0;
       const acc* qb = q + d0;
@@ -321,17 +332,18 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
           chunk[2 * n + hh] += p * e;
           add_centred_twice(chunk + offset, chunk + n + offset, p * e, p, x, sd, mb + offset, head_dim);
         }
-        if ((j + 1) % kChunkRows == 0 || j + 1 == count) {
-          fold_chunk(pe_rows, chunk, 2 * n + block_heads);
+        if ((j + 1) % kFoldRows == 0 || j + 1 == count) {
+          fold_chunk(totals.data(), chunk, 2 * n + block_heads);
         }
       }
       acc* part = query_parts.data() + b * dim + d0;
       for (int64_t hh = 0; hh < block_heads; ++hh) {
         for (int64_t i = hh * head_dim; i < (hh + 1) * head_dim; ++i) {
-          part[i] = sc * (pe_rows[i] - total_pe[hh] * p_rows[i]);
+          part[i] = static_cast<acc>(sc * (pe_rows[i] - total_pe[hh] * p_rows[i]));
         }
+        const auto text_sum = static_cast<acc>(total_pe[hh]);
         for (int64_t j = hh * count; j < (hh + 1) * count; ++j) {
-          coef[j] = sc * prob[j] * (coef[j] - total_pe[hh]);
+          coef[j] = sc * prob[j] * (coef[j] - text_sum);
         }
       }
       // Every row of the block once, in order: the valid rows from the sums above, zeros elsewhere.

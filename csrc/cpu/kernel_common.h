@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "common/row_selection.h"
+#include "cpu/row_list.h"
 
 namespace lmk_ops::cpu::CPU_CAPABILITY {
 
@@ -51,6 +52,63 @@ void for_each_text_block(int64_t batch, int64_t rows_per_text, int64_t dim, int6
       const int64_t b = task / blocks;
       const int64_t d0 = (task % blocks) * block;
       body(b, d0, std::min(block, dim - d0));
+    }
+  });
+}
+
+// Rows a chunk holds: the unit of parallel work of the pooling kernels. A text's selected rows are cut into chunks
+// of kChunkRows consecutive selected rows; each chunk is reduced on its own (a task of its own), and the chunks of a
+// longer text are combined in chunk order afterwards, so one long text is spread over every thread. The chunks
+// depend only on the text's own selected rows, never on padding, the batch or the threads. (Large enough that a
+// task's fixed costs stay small beside its rows; a 32k-token text still makes 64 tasks.)
+constexpr int64_t kChunkRows = 512;
+
+// A chunk's rows, in order, as reduce_rows walks them: rows [begin, end) of text b's list.
+struct ChunkRows {
+  const RowList* list;
+  int64_t b, begin, end;
+  template <typename F>
+  void each(const F& f) const {
+    for (int64_t j = begin; j < end; ++j) {
+      f(list->row(b, j));
+    }
+  }
+};
+
+// Calls body(b, chunk, d0, n, rows) for every (text, chunk of its selected rows, block of features) task, in
+// parallel; a text with no selected row still gets its chunk 0 (with no rows), to write its zeros.
+template <typename Body>
+void for_each_chunk(const RowList& list, int64_t batch, int64_t dim, const Body& body) {
+  const int64_t chunks = std::max<int64_t>(1, (list.upper() + kChunkRows - 1) / kChunkRows);
+  const int64_t block = feature_block(batch * chunks, dim, 1);
+  const int64_t blocks = (dim + block - 1) / block;
+  const int64_t grain = std::max<int64_t>(1, kMinParallelWork / (std::min(kChunkRows, list.upper()) * block + 1));
+  at::parallel_for(0, batch * chunks * blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (chunks * blocks), chunk = task / blocks % chunks;
+      const int64_t d0 = task % blocks * block, first = chunk * kChunkRows, count = list.rows(b);
+      if (first < count || chunk == 0) {
+        body(b, chunk, d0, std::min(block, dim - d0), ChunkRows{&list, b, first, std::min(first + kChunkRows, count)});
+      }
+    }
+  });
+}
+
+// Calls body(b, d0, n) for every (text with more than one chunk, block of features) task, in parallel: the
+// combining pass after for_each_chunk.
+template <typename Body>
+void for_each_long_text(const RowList& list, int64_t batch, int64_t dim, const Body& body) {
+  if (list.upper() <= kChunkRows) {
+    return;
+  }
+  const int64_t block = feature_block(batch, dim, 1);
+  const int64_t blocks = (dim + block - 1) / block;
+  at::parallel_for(0, batch * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / blocks, d0 = task % blocks * block;
+      if (list.rows(b) > kChunkRows) {
+        body(b, d0, std::min(block, dim - d0));
+      }
     }
   });
 }

@@ -1,6 +1,8 @@
 // Vectorised CPU pooling kernels. Compiled once per CPU capability: CPU_CAPABILITY is DEFAULT, AVX2 or AVX512
 // and names the namespace of this copy (see CMakeLists.txt and kernels_dispatch.cpp).
 #include <cmath>
+#include <type_traits>
+#include <vector>
 
 #include "common/dispatch.h"
 #include "cpu/attention_kernels.h"
@@ -38,34 +40,71 @@ inline void keep_max<float>(
 }
 #endif
 
+// Sums rows in the accumulation type in runs of kFoldRows rows, each run folded into a float64 total. Within a
+// run, each group of kRowGroup rows is added pairwise first ((x0 + x1) + (x2 + x3): exact for equal values) and
+// then to the run's sum. The error of a mean so stays within about one float32 ulp of the result at any L (a plain
+// float32 running sum loses digits as it grows: 80,000 ulp at a million rows), for one widening add per 32 rows.
+constexpr int kFoldRows = 32;
+
 template <typename scalar_t>
 struct SumReducer {
   using acc = acc_t<scalar_t>;
   using Vec = Vectorized<acc>;
-  acc* sum;
+  alignas(64) acc sum[kMaxBlock];
+  alignas(64) double total[kMaxBlock];
+  int64_t n = 0;
+  int run = 0;
 
-  void init(const scalar_t* row, int64_t stride, int64_t n, int64_t /*l*/) {
+  void init(const scalar_t* row, int64_t stride, int64_t width, int64_t /*l*/) {
+    n = width;
     for (int64_t i = 0; i < n; ++i) {
       sum[i] = static_cast<acc>(row[i * stride]);
+      total[i] = 0.0;
     }
+    run = 1;
   }
 
-  void step(const scalar_t* const* rows, const int64_t* /*ls*/, int k, int64_t stride, int64_t n) {
+  void step(const scalar_t* const* rows, const int64_t* /*ls*/, int k, int64_t stride, int64_t /*n*/) {
     int64_t i = 0;
     if (stride == 1) {
       for (; i + Vec::size() <= n; i += Vec::size()) {
-        Vec s = Vec::loadu(sum + i);
-        for (int r = 0; r < k; ++r) {
-          s = s + load_widened(rows[r] + i);
+        Vec group = load_widened(rows[0] + i);
+        if (k == kRowGroup) {
+          static_assert(kRowGroup == 4);
+          group = (group + load_widened(rows[1] + i)) + (load_widened(rows[2] + i) + load_widened(rows[3] + i));
+        } else {
+          for (int r = 1; r < k; ++r) {
+            group = group + load_widened(rows[r] + i);
+          }
         }
-        s.store(sum + i);
+        (Vec::loadu(sum + i) + group).store(sum + i);
       }
     }
     for (; i < n; ++i) {
-      for (int r = 0; r < k; ++r) {
-        sum[i] += static_cast<acc>(rows[r][i * stride]);
+      const auto x = [&](int r) { return static_cast<acc>(rows[r][i * stride]); };
+      acc group = x(0);
+      if (k == kRowGroup) {
+        group = (group + x(1)) + (x(2) + x(3));
+      } else {
+        for (int r = 1; r < k; ++r) {
+          group += x(r);
+        }
       }
+      sum[i] += group;
     }
+    run += k;
+    if (run >= kFoldRows) {
+      finish();
+    }
+  }
+
+  // Folds the current run into the total (the driver calls it after the last row).
+  void finish() {
+    for (int64_t i = 0; i < n; ++i) {  // vectorised by the compiler: widen, add
+      total[i] += static_cast<double>(sum[i]);
+      sum[i] = acc(0);
+    }
+    run = 0;
   }
 };
 
@@ -77,8 +116,10 @@ struct MaxReducer {
   using acc = acc_t<scalar_t>;
   using Vec = Vectorized<acc>;
   using index_t = at::vec::int_same_size_t<acc>;
-  acc* best;
-  index_t* where;
+  alignas(64) acc best[kMaxBlock];
+  alignas(64) index_t where[kMaxBlock];
+
+  void finish() {}
 
   void init(const scalar_t* row, int64_t stride, int64_t n, int64_t l) {
     for (int64_t i = 0; i < n; ++i) {
@@ -116,36 +157,62 @@ struct MaxReducer {
   }
 };
 
-// Shared driver of the forward kernels: runs a Reducer over every (text, feature block) task and hands the
-// reduced block to finish(b, d0, n, reducer, count).
-template <typename scalar_t, typename MakeReducer, typename Finish>
-void pool_forward(const at::Tensor& hidden, const RowSelection& selection, const MakeReducer& make,
-                  const Finish& finish) {
+// Shared driver of the forward kernels: lists each text's selected rows, runs a Reducer over every (text, chunk,
+// feature block) task (for_each_chunk) and hands the reduced block to chunk_done(b, chunk, d0, n, reducer, rows),
+// rows being the text's selected row count; then combine(b, d0, n) finishes the texts of several chunks.
+template <typename scalar_t, typename Reducer, typename ChunkDone, typename Combine>
+void pool_forward(const at::Tensor& hidden, const RowSelection& selection, const ChunkDone& chunk_done,
+                  const Combine& combine) {
   const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
   const int64_t sb = hidden.stride(0), sl = hidden.stride(1), sd = hidden.stride(2);
   const scalar_t* h = hidden.const_data_ptr<scalar_t>();
-  with_row_selectors(selection, seq_len, [&](int64_t rows_per_text, const auto& rows_of) {
-    for_each_text_block(batch, rows_per_text, dim, 1, [&](int64_t b, int64_t d0, int64_t n) {
-      alignas(64) acc_t<scalar_t> acc[kMaxBlock];
-      alignas(64) at::vec::int_same_size_t<acc_t<scalar_t>> index[kMaxBlock];
-      auto reducer = make(acc, index);
-      const int64_t count = reduce_rows(h + b * sb + d0 * sd, sl, sd, n, rows_of(b), reducer);
-      finish(b, d0, n, reducer, count);
-    });
+  const RowListing listing = list_rows(selection, batch, seq_len);
+  const RowList& list = listing.view;
+  for_each_chunk(list, batch, dim, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n, const ChunkRows& rows) {
+    Reducer reducer;
+    if (reduce_rows(h + b * sb + d0 * sd, sl, sd, n, rows, reducer) > 0) {
+      reducer.finish();
+    }
+    chunk_done(b, chunk, d0, n, reducer, list.rows(b));
   });
+  for_each_long_text(list, batch, dim, [&](int64_t b, int64_t d0, int64_t n) { combine(b, d0, n, list.rows(b)); });
+}
+
+// The number of chunks a text of up to `upper` selected rows can have (the partial results' second dimension).
+inline int64_t chunks_for(int64_t upper) {
+  return std::max<int64_t>(1, (upper + kChunkRows - 1) / kChunkRows);
 }
 
 template <typename scalar_t, typename out_t>
 void mean_forward_typed(const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out) {
-  using acc = acc_t<scalar_t>;
-  const int64_t dim = hidden.size(2);
+  const int64_t batch = hidden.size(0), dim = hidden.size(2);
+  const int64_t chunks = chunks_for(rows.positions.defined() ? rows.positions.size(1) : hidden.size(1));
+  // The chunk sums of texts with several chunks, combined in chunk order.
+  std::vector<double> partial(chunks > 1 ? batch * chunks * dim : 0);
   out_t* o = out.data_ptr<out_t>();
-  pool_forward<scalar_t>(
-      hidden, rows, [](acc* sum, auto*) { return SumReducer<scalar_t>{sum}; },
-      [&](int64_t b, int64_t d0, int64_t n, const SumReducer<scalar_t>& r, int64_t count) {
+  pool_forward<scalar_t, SumReducer<scalar_t>>(
+      hidden, rows,
+      [&](int64_t b, int64_t chunk, int64_t d0, int64_t n, const SumReducer<scalar_t>& r, int64_t count) {
+        if (count <= kChunkRows) {  // the only chunk: finish here
+          out_t* dst = o + b * dim + d0;
+          for (int64_t i = 0; i < n; ++i) {
+            dst[i] = count == 0 ? out_t(0) : static_cast<out_t>(r.total[i] / static_cast<double>(count));
+          }
+        } else {
+          std::copy_n(r.total, n, partial.data() + (b * chunks + chunk) * dim + d0);
+        }
+      },
+      [&](int64_t b, int64_t d0, int64_t n, int64_t count) {
+        std::vector<double> total(partial.begin() + b * chunks * dim + d0, partial.begin() + b * chunks * dim + d0 + n);
+        for (int64_t c = 1; c * kChunkRows < count; ++c) {
+          const double* p = partial.data() + (b * chunks + c) * dim + d0;
+          for (int64_t i = 0; i < n; ++i) {
+            total[i] += p[i];
+          }
+        }
         out_t* dst = o + b * dim + d0;
         for (int64_t i = 0; i < n; ++i) {
-          dst[i] = count == 0 ? out_t(0) : static_cast<out_t>(r.sum[i] / static_cast<acc>(count));
+          dst[i] = static_cast<out_t>(total[i] / static_cast<double>(count));
         }
       });
 }
@@ -153,18 +220,43 @@ void mean_forward_typed(const at::Tensor& hidden, const RowSelection& rows, at::
 template <typename scalar_t>
 void max_forward_typed(const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out, at::Tensor& argmax) {
   using acc = acc_t<scalar_t>;
-  const int64_t dim = hidden.size(2);
+  using index_t = at::vec::int_same_size_t<acc>;
+  const int64_t batch = hidden.size(0), dim = hidden.size(2);
+  const int64_t chunks = chunks_for(rows.positions.defined() ? rows.positions.size(1) : hidden.size(1));
+  std::vector<acc> partial(chunks > 1 ? batch * chunks * dim : 0);
+  std::vector<index_t> partial_where(partial.size());
   scalar_t* o = out.data_ptr<scalar_t>();
   int32_t* a = argmax.data_ptr<int32_t>();
-  pool_forward<scalar_t>(
-      hidden, rows, [](acc* best, auto* where) { return MaxReducer<scalar_t>{best, where}; },
-      [&](int64_t b, int64_t d0, int64_t n, const MaxReducer<scalar_t>& r, int64_t count) {
-        scalar_t* dst = o + b * dim + d0;
-        int32_t* pos = a + b * dim + d0;
+  pool_forward<scalar_t, MaxReducer<scalar_t>>(
+      hidden, rows,
+      [&](int64_t b, int64_t chunk, int64_t d0, int64_t n, const MaxReducer<scalar_t>& r, int64_t count) {
+        if (count <= kChunkRows) {  // the only chunk: finish here
+          scalar_t* dst = o + b * dim + d0;
+          int32_t* pos = a + b * dim + d0;
+          for (int64_t i = 0; i < n; ++i) {
+            // The kept value is one of the inputs, so narrowing it back is exact.
+            dst[i] = count == 0 ? scalar_t(0) : static_cast<scalar_t>(r.best[i]);
+            pos[i] = count == 0 ? -1 : static_cast<int32_t>(r.where[i]);
+          }
+        } else {
+          std::copy_n(r.best, n, partial.data() + (b * chunks + chunk) * dim + d0);
+          std::copy_n(r.where, n, partial_where.data() + (b * chunks + chunk) * dim + d0);
+        }
+      },
+      [&](int64_t b, int64_t d0, int64_t n, int64_t count) {
+        // Chunks in order, with keep_max's rules: a later chunk wins only with a greater value or a first NaN.
         for (int64_t i = 0; i < n; ++i) {
-          // The kept value is one of the inputs, so narrowing it back is exact.
-          dst[i] = count == 0 ? scalar_t(0) : static_cast<scalar_t>(r.best[i]);
-          pos[i] = count == 0 ? -1 : static_cast<int32_t>(r.where[i]);
+          acc best = partial[b * chunks * dim + d0 + i];
+          index_t where = partial_where[b * chunks * dim + d0 + i];
+          for (int64_t c = 1; c * kChunkRows < count; ++c) {
+            const acc x = partial[(b * chunks + c) * dim + d0 + i];
+            if (x > best || (std::isnan(x) && !std::isnan(best))) {
+              best = x;
+              where = partial_where[(b * chunks + c) * dim + d0 + i];
+            }
+          }
+          o[b * dim + d0 + i] = static_cast<scalar_t>(best);
+          a[b * dim + d0 + i] = static_cast<int32_t>(where);
         }
       });
 }

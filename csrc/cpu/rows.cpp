@@ -2,6 +2,7 @@
 
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
@@ -138,6 +139,34 @@ void scatter_rows(const at::Tensor& grad, const at::Tensor& positions, at::Tenso
 }
 
 }  // namespace
+
+RowListing list_rows(const RowSelection& selection, int64_t batch, int64_t seq_len) {
+  const bool by_mask = selection.mask.defined();
+  if (!by_mask && !selection.positions.defined()) {
+    return {at::Tensor(), at::Tensor(), RowList{nullptr, nullptr, seq_len, seq_len, /*every_row=*/true}};
+  }
+  const int64_t width = by_mask ? seq_len : selection.positions.size(1);
+  const at::TensorOptions options = at::TensorOptions().dtype(at::kLong);
+  at::Tensor order = at::empty({batch, width}, options), count = at::empty({batch}, options);
+  int64_t* o = order.data_ptr<int64_t>();
+  int64_t* c = count.data_ptr<int64_t>();
+  const bool* mask = by_mask ? selection.mask.const_data_ptr<bool>() : nullptr;
+  const int64_t* positions = by_mask ? nullptr : selection.positions.const_data_ptr<int64_t>();
+  at::parallel_for(0, batch, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, width)),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t b = begin; b < end; ++b) {
+                       int64_t n = 0;
+                       for (int64_t i = 0; i < width; ++i) {
+                         const int64_t value = by_mask ? (mask[b * width + i] ? i : -1) : positions[b * width + i];
+                         if (value >= 0) {
+                           o[b * width + n++] = value;
+                         }
+                       }
+                       c[b] = n;
+                     }
+                   });
+  return {order, count, RowList{o, c, width, seq_len, /*every_row=*/false}};
+}
 
 void check_range(const at::Tensor& values, int64_t lo, int64_t hi, const std::string& expected, bool landmarks) {
   const int64_t* data = values.const_data_ptr<int64_t>();

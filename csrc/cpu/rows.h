@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/row_selection.h"
+#include "cpu/row_list.h"
 
 namespace lmk_ops::cpu {
 

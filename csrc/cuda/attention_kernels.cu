@@ -358,13 +358,14 @@ __global__ void attention_combine(const acc_t<scalar_t>* part_max, const acc_t<s
     const acc m = part_max[(b * chunks + c) * heads + h];
     best = m > best ? m : best;
   }
-  acc total = 0, weighted = 0;
+  // Summed in float64, so the error does not grow with the number of chunks.
+  double total = 0, weighted = 0;
   for (int64_t c = 0; c < used; ++c) {
     const int64_t part = b * chunks + c;
     const acc m = part_max[part * heads + h];
     const acc factor = m == best ? acc(1) : (m == -std::numeric_limits<acc>::infinity() ? acc(0) : device_exp(m - best));
-    total += part_sum[part * heads + h] * factor;
-    weighted += part_out[part * dim + d] * factor;
+    total += static_cast<double>(part_sum[part * heads + h] * factor);
+    weighted += static_cast<double>(part_out[part * dim + d] * factor);
   }
   out[i] = static_cast<scalar_t>(weighted / total);
   if (d % head_dim == 0) {
@@ -516,7 +517,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // Per (text, feature), parallel over both: S = the sum of p e over the text's chunks (kept per (text, head) for the
 // rows) and the text's share of the query gradient, scale * (sum p e (x - m) - S sum p (x - m)), each summed in
-// chunk order. The shares are then summed over the texts by a deterministic ATen reduction.
+// chunk order in float64. The shares are then summed over the texts by a deterministic ATen reduction.
 template <typename acc>
 __global__ void attention_text_sums(const acc* part_pe, const acc* part_pex, const acc* part_px, SelectedRows rows,
                                     int64_t batch, int64_t heads, int64_t head_dim, int64_t chunks, acc scale,
@@ -526,16 +527,16 @@ __global__ void attention_text_sums(const acc* part_pe, const acc* part_pex, con
     return;
   }
   const int64_t b = i / dim, d = i % dim, h = d / head_dim;
-  acc s = 0, pex = 0, px = 0;
+  double s = 0, pex = 0, px = 0;  // float64, so the error does not grow with the number of chunks
   for (int64_t c = 0; c < ceil_div(rows.rows(b), kChunkRows); ++c) {
     const int64_t part = b * chunks + c;
     s += part_pe[part * heads + h];
     pex += part_pex[part * dim + d];
     px += part_px[part * dim + d];
   }
-  query_shares[i] = scale * (pex - s * px);
+  query_shares[i] = static_cast<acc>(scale * (pex - s * px));
   if (d % head_dim == 0) {
-    text_sums[b * heads + h] = s;
+    text_sums[b * heads + h] = static_cast<acc>(s);
   }
 }
 

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 
 #include "common/dispatch.h"
 #include "cuda/common.cuh"
@@ -20,6 +21,15 @@ namespace lmk_ops::cuda {
 namespace {
 
 constexpr int kFeatureLanes = 32;
+
+// What a chunk reduces into: the accumulation type for max (whose results are input values), and for mean float64
+// beside float32 rows (so a mean is within about one float32 ulp at any L: a float32 running sum loses digits as
+// it grows) and float32 beside the half types (whose 16-row runs per row lane it holds exactly or nearly). The
+// chunks' partial sums are combined in float64 in chunk order.
+template <bool kMax, typename scalar_t>
+using value_t = std::conditional_t<kMax || !std::is_same_v<scalar_t, float>, acc_t<scalar_t>, double>;
+template <bool kMax, typename scalar_t>
+using partial_t = std::conditional_t<kMax, acc_t<scalar_t>, double>;
 
 // Max with torch.max's rules: a greater value wins, a NaN wins over a number (the first NaN is kept), and of equal
 // values the earlier row is kept. where < 0 marks "nothing kept yet".
@@ -38,8 +48,9 @@ __device__ __forceinline__ bool takes_over(acc x, int64_t at, acc best, int64_t 
 template <bool kMax, typename scalar_t, typename out_t, int VEC>
 __global__ void __launch_bounds__(kThreads) pool_chunks(const scalar_t* hidden, int64_t sb, int64_t sl, int64_t sd, SelectedRows rows,
                             int64_t dim, int64_t chunks, int64_t tiles, out_t* out, int32_t* argmax,
-                            acc_t<scalar_t>* partial, int32_t* partial_where) {
+                            partial_t<kMax, scalar_t>* partial, int32_t* partial_where) {
   using acc = acc_t<scalar_t>;
+  using value_acc = value_t<kMax, scalar_t>;
   extern __shared__ unsigned char shared_bytes[];
   const int64_t tile = blockIdx.x % tiles, chunk = (blockIdx.x / tiles) % chunks, b = blockIdx.x / (tiles * chunks);
   const int64_t n = rows.rows(b), begin = chunk * kChunkRows;
@@ -51,11 +62,11 @@ __global__ void __launch_bounds__(kThreads) pool_chunks(const scalar_t* hidden, 
   const int64_t packs = dim / VEC, v = tile * lanes + threadIdx.x;
   const bool active = v < packs;
 
-  acc value[VEC];
+  value_acc value[VEC];
   int64_t where[VEC];
 #pragma unroll
   for (int i = 0; i < VEC; ++i) {
-    value[i] = acc(0);
+    value[i] = value_acc(0);
     where[i] = -1;
   }
   const scalar_t* text = hidden + b * sb;
@@ -89,7 +100,7 @@ __global__ void __launch_bounds__(kThreads) pool_chunks(const scalar_t* hidden, 
   }
 
   // Row lanes 1.. hand their results to row lane 0, which takes them in order.
-  acc* shared_value = reinterpret_cast<acc*>(shared_bytes);
+  value_acc* shared_value = reinterpret_cast<value_acc*>(shared_bytes);
   int64_t* shared_where = reinterpret_cast<int64_t*>(shared_value + row_lanes * lanes * VEC);
   const int64_t slot = (int64_t{threadIdx.y} * lanes + threadIdx.x) * VEC;
   if (row_lanes > 1) {
@@ -131,7 +142,7 @@ __global__ void __launch_bounds__(kThreads) pool_chunks(const scalar_t* hidden, 
         out[b * dim + d] = n == 0 ? out_t(0) : static_cast<out_t>(value[i]);
         argmax[b * dim + d] = n == 0 ? -1 : static_cast<int32_t>(where[i]);
       } else {
-        out[b * dim + d] = n == 0 ? out_t(0) : static_cast<out_t>(value[i] / static_cast<acc>(n));
+        out[b * dim + d] = n == 0 ? out_t(0) : static_cast<out_t>(value[i] / static_cast<value_acc>(n));
       }
     } else {
       partial[(b * chunks + chunk) * dim + d] = value[i];
@@ -144,9 +155,9 @@ __global__ void __launch_bounds__(kThreads) pool_chunks(const scalar_t* hidden, 
 
 // Finishes the texts with more than one chunk: their partial results, taken in chunk order.
 template <bool kMax, typename scalar_t, typename out_t>
-__global__ void combine_chunks(const acc_t<scalar_t>* partial, const int32_t* partial_where, SelectedRows rows,
+__global__ void combine_chunks(const partial_t<kMax, scalar_t>* partial, const int32_t* partial_where, SelectedRows rows,
                                int64_t batch, int64_t dim, int64_t chunks, out_t* out, int32_t* argmax) {
-  using acc = acc_t<scalar_t>;
+  using acc = partial_t<kMax, scalar_t>;
   const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (i >= batch * dim) {
     return;
@@ -179,19 +190,19 @@ __global__ void combine_chunks(const acc_t<scalar_t>* partial, const int32_t* pa
 
 template <bool kMax, typename scalar_t, typename out_t>
 void pool_forward(const at::Tensor& hidden, const RowSelection& selection, at::Tensor& out, at::Tensor* argmax) {
-  using acc = acc_t<scalar_t>;
   const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
   const RowList list = select_rows(selection, batch, seq_len);
   const int64_t chunks = std::max<int64_t>(1, ceil_div(list.upper, kChunkRows));
   at::Tensor partial, partial_where;
   if (chunks > 1) {
-    partial = at::empty({batch, chunks, dim}, hidden.options().dtype(at::toOpMathType(hidden.scalar_type())));
+    partial = at::empty({batch, chunks, dim},
+                        hidden.options().dtype(kMax ? at::toOpMathType(hidden.scalar_type()) : at::kDouble));
     if (kMax) {
       partial_where = at::empty({batch, chunks, dim}, hidden.options().dtype(at::kInt));
     }
   }
   auto* argmax_data = kMax ? argmax->data_ptr<int32_t>() : nullptr;
-  auto* partial_data = partial.defined() ? partial.data_ptr<acc>() : nullptr;
+  auto* partial_data = partial.defined() ? partial.data_ptr<partial_t<kMax, scalar_t>>() : nullptr;
   auto* partial_where_data = partial_where.defined() ? partial_where.data_ptr<int32_t>() : nullptr;
   with_vector_width<scalar_t>(vector_width<scalar_t>(hidden, 1), [&]<int VEC>() {
     const int64_t packs = dim / VEC;
@@ -201,7 +212,8 @@ void pool_forward(const at::Tensor& hidden, const RowSelection& selection, at::T
     TORCH_CHECK(
         blocks <= std::numeric_limits<int32_t>::max(), "lmk_ops: pooling needs ", blocks,
         " CUDA blocks, more than one launch takes; split the batch");
-    const size_t shared = row_lanes > 1 ? size_t{kThreads} * VEC * (sizeof(acc) + (kMax ? sizeof(int64_t) : 0)) : 0;
+    const size_t shared =
+        row_lanes > 1 ? size_t{kThreads} * VEC * (sizeof(value_t<kMax, scalar_t>) + (kMax ? sizeof(int64_t) : 0)) : 0;
     pool_chunks<kMax, scalar_t, out_t, VEC><<<blocks, dim3(lanes, row_lanes), shared, stream()>>>(
         hidden.const_data_ptr<scalar_t>(), hidden.stride(0), hidden.stride(1), hidden.stride(2), list.view(), dim,
         chunks, tiles, out.data_ptr<out_t>(), argmax_data, partial_data, partial_where_data);

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <limits>
+#include <string>
 #include <tuple>
 
 #include "common/checks.h"
@@ -77,7 +78,16 @@ at::Tensor max_pool_backward(const at::Tensor& grad, const at::Tensor& argmax, i
   return grad_hidden;
 }
 
+at::Tensor valid_mask(const at::Tensor& mask, c10::string_view op_name) {
+  const std::string op(op_name);
+  TORCH_CHECK(mask.dim() == 2, "lmk_ops.", op, ": expected mask of shape [B, L], got ", shape_str(mask.sizes()));
+  const at::Tensor valid = prepare_mask(op.c_str(), mask, mask.size(0), mask.size(1), mask);
+  // A fresh tensor, never the input itself (an op's output must not alias its input).
+  return valid.is_same(mask) || valid.data_ptr() == mask.data_ptr() ? valid.clone() : valid;
+}
+
 void register_pool_ops(torch::Library& m) {
+  m.impl("valid_mask", &valid_mask);
   m.impl("mean_pool", &mean_pool);
   m.impl("mean_pool_backward", &mean_pool_backward);
   m.impl("max_pool", &max_pool);

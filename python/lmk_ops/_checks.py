@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # c10 prints ScalarType names ("Float", "Long", ...); the messages here match them.
@@ -35,6 +36,37 @@ def _shape(t: torch.Tensor) -> str:
 
 def fail(op: str, message: str) -> None:
     raise RuntimeError(f"lmk_ops.{op}: {message}")
+
+
+def check_call(op: str, hidden, *others) -> None:
+    """What the public functions check before calling an op, where the dispatcher would fail unclearly or silently:
+    hidden that is not a dense strided tensor, and differentiation modes the ops do not support (forward mode, and
+    torch.func's grad transforms, which need functorch-aware autograd). torch.vmap works, and so does reverse mode."""
+    if not isinstance(hidden, torch.Tensor):
+        fail(op, f"expected hidden to be a tensor [B, L, D], got {'None' if hidden is None else type(hidden).__name__}")
+    if hidden.is_nested:
+        fail(op, "expected hidden as a dense [B, L, D] tensor, got a nested tensor (pad it with "
+             "hidden.to_padded_tensor(0.0) and pass a mask)")
+    if hidden.is_quantized:
+        fail(op, f"expected hidden of dtype float16, bfloat16, float32 or float64, got a quantized tensor "
+             f"({dtype_name(hidden.dtype)}): dequantize it first")
+    if hidden.layout != torch.strided:
+        fail(op, f"expected hidden as a dense (strided) tensor, got layout {hidden.layout} (convert it with "
+             f"to_dense())")
+    if torch.compiler.is_compiling():
+        return
+    tensors = [t for t in (hidden, *others) if isinstance(t, torch.Tensor)]
+    if _forward_ad.__dict__.get("_current_level", -1) >= 0 and any(
+            _forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        fail(op, "forward-mode AD is not supported (torch.autograd.forward_ad, torch.func.jvp, jacfwd); use "
+             "reverse mode (torch.autograd.grad, .backward())")
+    transforms = {i.key() for i in torch._C._functorch.get_interpreter_stack() or ()}
+    if torch._C._functorch.TransformType.Jvp in transforms:
+        fail(op, "forward-mode AD is not supported (torch.func.jvp, jacfwd, hessian); use reverse mode "
+             "(torch.autograd.grad, .backward())")
+    if torch._C._functorch.TransformType.Grad in transforms:
+        fail(op, "torch.func.grad, vjp and jacrev are not supported; use torch.autograd.grad or .backward() "
+             "(torch.vmap works)")
 
 
 def check_hidden(op: str, hidden: torch.Tensor) -> None:
@@ -110,9 +142,12 @@ def check_query(op: str, query: torch.Tensor, hidden: torch.Tensor) -> tuple[int
          f"got {_shape(query)}")
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def check_scale(op: str, scale: float | None) -> None:
-    if scale is not None and not math.isfinite(scale):
-        fail(op, f"expected a finite scale, got {scale}")
+    if scale is not None and not (math.isfinite(scale) and abs(scale) <= _FLOAT32_MAX):
+        fail(op, f"expected a scale finite in float32, got {scale}")
 
 
 def check_float_tensor(op: str, name: str, t: torch.Tensor, shape, like: torch.Tensor) -> None:

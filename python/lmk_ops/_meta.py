@@ -86,6 +86,14 @@ def _landmark_gather_backward_fake(grad_out, positions, seq_len):
     return _unpooled(grad_out, seq_len)
 
 
+@torch.library.register_fake("lmk_ops::valid_mask")
+def _valid_mask_fake(mask, op):
+    if mask.dim() != 2:
+        fail(op, f"expected mask of shape [B, L], got [{', '.join(str(s) for s in mask.shape)}]")
+    check_mask(op, mask, mask.shape[0], mask.shape[1], mask)
+    return mask.new_empty(mask.shape, dtype=torch.bool)
+
+
 @torch.library.register_fake("lmk_ops::attention_pool")
 def _attention_pool_fake(hidden, mask, query, scale=None, return_weights=False):
     check_hidden("attention_pool", hidden)

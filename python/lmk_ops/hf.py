@@ -88,7 +88,7 @@ def _sentence_end_flags(offsets: torch.Tensor, attention_mask: torch.Tensor, end
 
 def tokenize_with_landmarks(
     tokenizer,
-    texts: Sequence[str],
+    texts: str | Sequence[str],
     *,
     landmark_token: str | None = None,
     interval: int = 32,
@@ -114,7 +114,11 @@ def tokenize_with_landmarks(
         tokenizer's padding side. Pass ``batch.model_inputs()`` to the model and ``batch`` to
         :class:`lmk_ops.nn.Pooling`.
     """
-    texts = list(texts)
+    # One string is one text (list("abc") would be three).
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise ValueError(f"lmk_ops.hf.tokenize_with_landmarks: expected a string or a non-empty list of strings, got "
+                         f"{texts if not texts else [type(t).__name__ for t in texts]}")
     if max_length is None and getattr(tokenizer, "model_max_length", None) and tokenizer.model_max_length < 10**6:
         max_length = tokenizer.model_max_length
     want_offsets = sentence_ends is not None

@@ -12,6 +12,7 @@ chunk ends before it (a cumulative sum), and one scatter writes the new batch.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,13 @@ class LandmarkBatch:
     def keys(self):
         return ("input_ids", "attention_mask", "landmark_mask")
 
+    def to(self, device, non_blocking: bool = False) -> LandmarkBatch:
+        """The batch on another device (the tensors keep their dtypes)."""
+        if isinstance(device, torch.dtype):
+            raise TypeError(f"lmk_ops.LandmarkBatch.to: expected a device, got the dtype {device} (the ids and masks "
+                            "keep their dtypes)")
+        return LandmarkBatch(*(getattr(self, k).to(device, non_blocking=non_blocking) for k in self.keys()))
+
     def model_inputs(self) -> dict[str, Tensor]:
         """The keyword arguments for a Hugging Face model: ``input_ids`` and ``attention_mask``."""
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
@@ -48,9 +56,13 @@ def sample_intervals(batch: int, choices: Sequence[int] = PAPER_TRAINING_INTERVA
 
     Pass a seeded ``torch.Generator`` for reproducible runs. Returns int64 ``[batch]`` on the CPU.
     """
-    options = torch.as_tensor(list(choices), dtype=torch.long)
-    if options.dim() != 1 or options.numel() == 0 or bool((options < 1).any()):
-        raise ValueError(f"lmk_ops.sample_intervals: expected a non-empty list of intervals >= 1, got {list(choices)}")
+    values = list(choices)
+    if not values or not all(_is_int(v) and v >= 1 for v in values):
+        raise ValueError(f"lmk_ops.sample_intervals: expected a non-empty list of integer intervals >= 1, got "
+                         f"{values}")
+    if not _is_int(batch) or batch < 0:
+        raise ValueError(f"lmk_ops.sample_intervals: expected batch as an int >= 0, got {batch!r}")
+    options = torch.tensor([int(v) for v in values], dtype=torch.long)
     return options[torch.randint(len(options), (batch,), generator=generator)]
 
 
@@ -58,29 +70,51 @@ def _fail(message: str) -> None:
     raise ValueError(f"lmk_ops.insert_landmarks: {message}")
 
 
+def _is_int(value) -> bool:
+    """A Python or NumPy integer (or a 0-d integer tensor), not a bool or a float."""
+    if isinstance(value, Tensor):
+        return value.dim() == 0 and not value.is_floating_point() and value.dtype != torch.bool
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leading, num_trailing, max_length,
-                  padding_side):
-    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+                  padding_side, landmark_id, pad_id):
+    if (not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point()
+            or input_ids.is_complex() or input_ids.dtype == torch.bool):
         _fail(f"expected input_ids as an integer tensor [B, L], got {getattr(input_ids, 'dtype', type(input_ids))} "
               f"of shape {list(getattr(input_ids, 'shape', []))}")
+    if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.is_floating_point()
+                                       or attention_mask.is_complex()):
+        _fail(f"expected attention_mask as a bool or integer 0/1 tensor, got "
+              f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         _fail(f"expected attention_mask of shape {list(input_ids.shape)} (as input_ids), got {list(attention_mask.shape)}")
     if attention_mask is not None and bool(((attention_mask != 0) & (attention_mask != 1)).any()):
         _fail("expected attention_mask values 0 or 1")
+    for name, value in (("landmark_id", landmark_id), ("pad_id", pad_id)):
+        if not _is_int(value):
+            _fail(f"expected {name} as an int, got {value!r}")
+        info = torch.iinfo(input_ids.dtype)
+        if not info.min <= int(value) <= info.max:
+            _fail(f"expected {name} representable in input_ids' dtype {input_ids.dtype} ([{info.min}, {info.max}]), "
+                  f"got {int(value)}; pass input_ids as int64")
     if sentence_ends is not None and sentence_ends.shape != input_ids.shape:
         _fail(f"expected sentence_ends of shape {list(input_ids.shape)} (as input_ids), got {list(sentence_ends.shape)}")
     if isinstance(interval, Tensor):
+        if interval.is_floating_point() or interval.is_complex() or interval.dtype == torch.bool:
+            _fail(f"expected per-row intervals as an integer tensor, got {interval.dtype}")
         if interval.shape != (input_ids.shape[0],) or bool((interval < 1).any()):
             _fail(f"expected per-row intervals as a [B] = [{input_ids.shape[0]}] tensor of values >= 1, "
                   f"got {interval.tolist()}")
-    elif not isinstance(interval, int) or interval < 1:
-        _fail(f"expected interval >= 1 (an int, or a [B] tensor per row), got {interval!r}")
-    if num_leading < 0 or num_trailing < 0:
-        _fail(f"expected num_leading and num_trailing >= 0, got {num_leading} and {num_trailing}")
+    elif not _is_int(interval) or interval < 1:
+        _fail(f"expected interval >= 1 (an int, or a [B] integer tensor per row), got {interval!r}")
+    for name, value in (("num_leading", num_leading), ("num_trailing", num_trailing)):
+        if not _is_int(value) or value < 0:
+            _fail(f"expected {name} as an int >= 0, got {value!r}")
     if padding_side not in (None, "left", "right"):
         _fail(f"expected padding_side 'left', 'right' or None (as the input), got {padding_side!r}")
-    if max_length is not None and max_length < 1:
-        _fail(f"expected max_length >= 1 or None, got {max_length}")
+    if max_length is not None and (not _is_int(max_length) or max_length < 1):
+        _fail(f"expected max_length as an int >= 1 or None, got {max_length!r}")
 
 
 def insert_landmarks(
@@ -124,12 +158,12 @@ def insert_landmarks(
         ``max_length`` too short to hold the kept special tokens and one landmark.
     """
     _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leading, num_trailing, max_length,
-                  padding_side)
+                  padding_side, landmark_id, pad_id)
     device = input_ids.device
     batch, seq_len = input_ids.shape
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     if padding_side is None:
-        padding_side = "left" if bool((~valid[:, 0] & valid[:, -1]).any()) else "right"
+        padding_side = "left" if seq_len and bool((~valid[:, 0] & valid[:, -1]).any()) else "right"
 
     # Each valid token's rank r within its text; specials at either end, content in between (c = its index).
     rank = valid.cumsum(1) - 1
@@ -149,7 +183,9 @@ def insert_landmarks(
         ends = (c + 1) % per_row == 0
     ends = content & (ends | (c == num_content - 1))
     ends_before = ends.cumsum(1) - ends.long()  # chunk ends strictly before each token of the text
-    empty = num_content == 0  # an empty text still gets one landmark, right after the leading specials
+    # An empty text (its specials only) still gets one landmark, right after the leading specials; a row of padding
+    # alone stays empty, and pools to zeros.
+    empty = (num_content == 0) & (length > 0)
     num_landmarks = ends.sum(1, keepdim=True) + empty.long()
 
     # Positions in the new row, before truncation.
@@ -185,7 +221,7 @@ def insert_landmarks(
     out_landmarks[empty_rows, (num_lead + offset).squeeze(1)[empty_rows]] = True
 
     # A row whose landmarks were all cut: its last kept body position becomes the landmark.
-    none_left = ~(keep_landmark.any(1) | empty_rows)
+    none_left = ~(keep_landmark.any(1) | empty_rows) & (length.squeeze(1) > 0)
     last_body = (body_limit.squeeze(1) - 1 + offset.squeeze(1))[none_left]
     out_landmarks[none_left.nonzero().squeeze(1), last_body] = True
     out_ids[out_landmarks] = landmark_id

@@ -122,4 +122,9 @@ class Pooling(torch.nn.Module):
             pooled = self.attention(hidden, attention_mask=mask)
         else:
             pooled = (ops.last_token_pool if self.mode == "last" else ops.first_token_pool)(hidden, mask)
-        return torch.nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled
+        if not self.normalize:
+            return pooled
+        # In float32 (float64 for float64) and rounded once, as the fused ops do: in float16, F.normalize's eps
+        # underflows to 0 and turns a text with no valid token (a zero vector) into NaN.
+        wide = pooled.to(torch.promote_types(pooled.dtype, torch.float32))
+        return torch.nn.functional.normalize(wide, dim=-1).to(pooled.dtype)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
-from ._checks import check_hidden, check_mask, fail
+from ._checks import check_call, check_hidden, check_landmarks, check_mask, fail
 
 __all__ = [
     "attention_pool", "first_token_pool", "landmark_gather", "landmark_mean", "landmark_positions", "last_token_pool",
@@ -35,6 +36,7 @@ def mean_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = F
         RuntimeError: starting ``lmk_ops.mean_pool:`` for hidden that is not 3-D floating point, a mask of
         another shape, device or dtype (float), or mask values other than 0/1.
     """
+    check_call("mean_pool", hidden, mask)
     return torch.ops.lmk_ops.mean_pool(hidden, mask, normalize)[0]
 
 
@@ -56,6 +58,7 @@ def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = Fa
     Raises:
         RuntimeError: starting ``lmk_ops.max_pool:``, as for :func:`mean_pool`.
     """
+    check_call("max_pool", hidden, mask)
     values, argmax, _ = torch.ops.lmk_ops.max_pool(hidden, mask, normalize)
     return (values, argmax) if return_indices else values
 
@@ -84,30 +87,46 @@ def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False)
         device, or a position outside ``[0, L)`` other than -1 (the message names the row and the entry; nothing
         outside hidden is ever read).
     """
+    check_call("landmark_mean", hidden, landmarks)
     return torch.ops.lmk_ops.landmark_mean(hidden, landmarks, normalize)[0]
+
+
+def _values_known(t: Tensor) -> bool:
+    """Whether t's values can be read here: not while tracing (torch.compile, FakeTensor) and not on meta."""
+    return not (torch.compiler.is_compiling() or t.device.type == "meta" or isinstance(t, FakeTensor))
 
 
 def landmark_positions(landmark_mask: Tensor, num_landmarks: int | None = None) -> Tensor:
     """The positions of the True entries of a bool ``[B, L]`` mask, in order, as int64 ``[B, K]`` padded with -1.
 
-    ``K`` is ``num_landmarks`` when given (a row with more landmarks is an error), else the largest count in the
-    batch. With ``num_landmarks=None`` the output shape depends on the data, which breaks a ``torch.compile`` graph.
+    ``K`` is ``num_landmarks`` when given (a row with more landmarks is an error, checked where the values can be
+    read: not inside a compiled graph, where the extra landmarks are dropped), else the largest count in the batch.
+    With ``num_landmarks`` given this traces under ``torch.compile(fullgraph=True)`` and runs on meta tensors;
+    without it the output shape depends on the data, which needs the values.
     """
-    if landmark_mask.dtype != torch.bool or landmark_mask.dim() != 2:
-        raise RuntimeError("lmk_ops.landmark_positions: expected a bool landmark mask of shape [B, L], got "
-                           f"{landmark_mask.dtype} of shape {list(landmark_mask.shape)}")
+    op = "landmark_positions"
+    if not isinstance(landmark_mask, Tensor) or landmark_mask.dtype != torch.bool or landmark_mask.dim() != 2:
+        fail(op, f"expected a bool landmark mask of shape [B, L], got {getattr(landmark_mask, 'dtype', None)} of "
+                 f"shape {list(getattr(landmark_mask, 'shape', []))}")
+    if num_landmarks is not None and (isinstance(num_landmarks, bool) or not isinstance(num_landmarks, int)
+                                      or num_landmarks < 0):
+        fail(op, f"expected num_landmarks as an int >= 0 (or None), got {num_landmarks!r}")
     batch, seq_len = landmark_mask.shape
     counts = landmark_mask.sum(1)
-    most = int(counts.max()) if batch else 0
-    if num_landmarks is None:
-        num_landmarks = most
-    elif most > num_landmarks:
-        row = int(counts.argmax())
-        raise RuntimeError(f"lmk_ops.landmark_positions: expected at most num_landmarks = {num_landmarks} landmarks "
-                           f"per row, got {most} in row {row}")
-    # Each landmark goes to column (its rank in the row); other tokens go to a spare last column, dropped after.
+    if num_landmarks is None or _values_known(landmark_mask):
+        if not _values_known(landmark_mask):
+            fail(op, "expected num_landmarks where the mask's values cannot be read (meta or fake tensors, "
+                     "torch.compile): the output's width K depends on them")
+        most = int(counts.max()) if batch else 0
+        if num_landmarks is None:
+            num_landmarks = most
+        elif most > num_landmarks:
+            fail(op, f"expected at most num_landmarks = {num_landmarks} landmarks per row, got {most} in row "
+                     f"{int(counts.argmax())}")
+    # Each landmark goes to column (its rank in the row); other tokens, and landmarks past K, to a spare last column,
+    # dropped after.
     rank = landmark_mask.cumsum(1) - 1
-    column = torch.where(landmark_mask, rank, num_landmarks)
+    column = torch.where(landmark_mask & (rank < num_landmarks), rank, num_landmarks)
     positions = torch.full((batch, num_landmarks + 1), -1, dtype=torch.long, device=landmark_mask.device)
     positions.scatter_(1, column, torch.arange(seq_len, device=landmark_mask.device).expand(batch, seq_len))
     return positions[:, :num_landmarks].clone()
@@ -129,7 +148,10 @@ def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | N
     Raises:
         RuntimeError: starting ``lmk_ops.landmark_gather:``, as for :func:`landmark_mean`.
     """
-    if landmarks.dtype == torch.bool:
+    check_call("landmark_gather", hidden, landmarks)
+    check_hidden("landmark_gather", hidden)
+    if isinstance(landmarks, Tensor) and landmarks.dtype == torch.bool:
+        check_landmarks("landmark_gather", landmarks, hidden.shape[0], hidden.shape[1], hidden)
         landmarks = landmark_positions(landmarks, num_landmarks)
     return torch.ops.lmk_ops.landmark_gather(hidden, landmarks), landmarks >= 0
 
@@ -140,15 +162,15 @@ for _fn in (mean_pool, max_pool, landmark_mean):
 
 def _token_positions(op: str, hidden: Tensor, mask: Tensor | None, last: bool) -> Tensor:
     """int64 [B, 1]: the first (or last) valid position of each text, -1 for a text with none."""
+    check_call(op, hidden, mask)
     check_hidden(op, hidden)
     batch, seq_len = hidden.shape[0], hidden.shape[1]
     if mask is None:
         valid = torch.ones(batch, seq_len, dtype=torch.bool, device=hidden.device)
     else:
         check_mask(op, mask, batch, seq_len, hidden)
-        if not mask.dtype == torch.bool and not torch.compiler.is_compiling() and bool(((mask < 0) | (mask > 1)).any()):
-            fail(op, "expected mask values 0 or 1")
-        valid = mask != 0
+        # Checked by an op (0/1 values), so that a bad value fails the same way eagerly and when compiled.
+        valid = mask if mask.dtype == torch.bool else torch.ops.lmk_ops.valid_mask(mask, op)
     order = valid.flip(1) if last else valid
     found = order.to(torch.uint8).argmax(1) if seq_len else torch.zeros(batch, dtype=torch.long, device=hidden.device)
     position = seq_len - 1 - found if last else found
@@ -202,6 +224,10 @@ def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale:
         RuntimeError: starting ``lmk_ops.attention_pool:`` for a bad hidden or mask (as :func:`mean_pool`), hidden
         with ``D = 0``, a query of another shape, dtype or device, or a scale that is not finite.
     """
+    check_call("attention_pool", hidden, mask, query)
+    if isinstance(scale, Tensor):
+        fail("attention_pool", "expected scale as a Python number, got a tensor (a scale is not learned: a "
+                               "learned one is the query's norm, so fold it into the query)")
     out, _, weights = torch.ops.lmk_ops.attention_pool(hidden, mask, query, scale, return_weights)
     if not return_weights:
         return out

@@ -59,6 +59,8 @@ def _positions(landmarks: Tensor) -> Tensor:
 def landmark_gather(hidden: Tensor, landmarks: Tensor) -> tuple[Tensor, Tensor]:
     positions = _positions(landmarks)
     valid = positions >= 0
+    if hidden.shape[1] == 0:  # nothing to gather from: every entry is -1
+        return hidden.new_zeros((hidden.shape[0], positions.shape[1], hidden.shape[2])), valid
     index = positions.clamp(min=0).unsqueeze(-1).expand(-1, -1, hidden.shape[2])
     gathered = hidden.gather(1, index) * valid.unsqueeze(-1).to(hidden.dtype)
     return gathered, valid

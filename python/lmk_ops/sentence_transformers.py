@@ -47,7 +47,9 @@ class LandmarkTransformer(Transformer):
     def preprocess(self, inputs, prompt=None, processing_kwargs=None, **kwargs) -> dict[str, Any]:
         # Tokenize without truncation: landmarks go in first, and the result is truncated after.
         processing_kwargs = dict(processing_kwargs or {})
-        processing_kwargs["text"] = {**processing_kwargs.get("text", {}), "truncation": False}
+        # verbose=False: the tokenizer would warn that an untruncated text is too long for the model, which it is
+        # not once truncated below.
+        processing_kwargs["text"] = {**processing_kwargs.get("text", {}), "truncation": False, "verbose": False}
         features = super().preprocess(inputs, prompt, processing_kwargs, **kwargs)
         if "input_ids" not in features:
             return features

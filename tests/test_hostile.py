@@ -1,0 +1,357 @@
+"""Hostile inputs: long sums, odd tensors, unsupported differentiation modes, and the defects a hostile review found,
+each pinned by a test. Runs in CI (CPU); the CUDA cases of the ops' own suites cover the device."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import lmk_ops
+from lmk_ops import reference
+
+
+def _ulps(got: torch.Tensor, exact: torch.Tensor) -> float:
+    """The largest error of got against exact, in units of got's last place."""
+    spacing = torch.from_numpy(np.spacing(got.abs().float().numpy())).double()
+    return ((got.double() - exact.double()).abs() / spacing).max().item()
+
+
+# --- accuracy of long sums -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [0.1, 1 / 3, 0.7, 3.3])
+def test_mean_of_a_million_equal_rows_is_within_a_few_ulp(value):
+    hidden = torch.full((1, 10**6, 8), value)
+    assert _ulps(lmk_ops.mean_pool(hidden), hidden.double().mean(1)) <= 4
+
+
+@pytest.mark.parametrize("seq_len", [1000, 100_000, 1_000_000])
+def test_long_means_stay_within_a_few_ulp_of_a_float64_oracle(seq_len):
+    gen = torch.Generator().manual_seed(seq_len)
+    hidden = torch.randn(1, seq_len, 16, generator=gen) + 1  # a mean away from zero
+    mask = torch.rand(1, seq_len, generator=gen) < 0.5
+    masked = (hidden.double() * mask[..., None]).sum(1) / mask.sum()
+    assert _ulps(lmk_ops.mean_pool(hidden), hidden.double().mean(1)) <= 4
+    assert _ulps(lmk_ops.mean_pool(hidden, mask), masked) <= 4
+    assert _ulps(lmk_ops.landmark_mean(hidden, mask), masked) <= 4
+    assert _ulps(lmk_ops.landmark_mean(hidden, lmk_ops.landmark_positions(mask)), masked) <= 4
+    normalized = torch.nn.functional.normalize(hidden.double().mean(1), dim=-1)
+    assert _ulps(lmk_ops.mean_pool(hidden, normalize=True), normalized) <= 4
+
+
+def test_attention_over_a_long_text_stays_accurate():
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(1, 200_000, 32, generator=gen) + 1
+    query = torch.randn(32, generator=gen) * 0.01
+    got = lmk_ops.attention_pool(hidden, None, query)
+    assert _ulps(got, reference.attention_pool(hidden.double(), None, query.double())) <= 8
+
+
+@pytest.mark.parametrize("value", [-65504.0, 60000.0, 65504.0])
+def test_float16_means_of_large_values_do_not_overflow(value):
+    hidden = torch.full((1, 20000, 3), value, dtype=torch.float16)
+    assert torch.equal(lmk_ops.mean_pool(hidden), torch.full((1, 3), value, dtype=torch.float16))
+    assert torch.equal(lmk_ops.landmark_mean(hidden, torch.ones(1, 20000, dtype=torch.bool)),
+                       torch.full((1, 3), value, dtype=torch.float16))
+
+
+def test_a_long_text_gives_the_same_bits_alone_padded_and_on_any_number_of_threads():
+    gen = torch.Generator().manual_seed(9)
+    text = torch.randn(1, 5000, 96, generator=gen)
+    batch = torch.randn(3, 6100, 96, generator=gen)
+    batch[1, 1100:] = text[0]
+    mask = torch.zeros(3, 6100, dtype=torch.bool)
+    mask[1, 1100:] = True
+    mask[0] = True
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, threads):
+            torch.set_num_threads(n)
+            results.append([lmk_ops.mean_pool(text)[0], lmk_ops.mean_pool(batch, mask)[1],
+                            lmk_ops.max_pool(text)[0], lmk_ops.max_pool(batch, mask)[1]])
+    finally:
+        torch.set_num_threads(threads)
+    for run in results:
+        assert torch.equal(run[0], run[1]) and torch.equal(run[2], run[3])
+        assert torch.equal(run[0], results[0][0]) and torch.equal(run[2], results[0][2])
+
+
+# --- differentiation modes ----------------------------------------------------------------------------------------
+
+def _h():
+    return torch.randn(2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+
+UNSUPPORTED = {
+    "jvp": lambda f, h: torch.func.jvp(f, (h,), (torch.ones_like(h),)),
+    "jacfwd": lambda f, h: torch.func.jacfwd(f)(h),
+    "hessian": lambda f, h: torch.func.hessian(lambda x: f(x).sum())(h),
+    "grad": lambda f, h: torch.func.grad(lambda x: f(x).sum())(h),
+    "jacrev": lambda f, h: torch.func.jacrev(f)(h),
+}
+FUNCTIONS = {
+    "mean_pool": lambda h: lmk_ops.mean_pool(h),
+    "max_pool": lambda h: lmk_ops.max_pool(h),
+    "landmark_mean": lambda h: lmk_ops.landmark_mean(h, torch.tensor([[0, 2], [1, -1]])),
+    "landmark_gather": lambda h: lmk_ops.landmark_gather(h, torch.tensor([[0, 2], [1, -1]]))[0],
+    "first_token_pool": lambda h: lmk_ops.first_token_pool(h),
+    "attention_pool": lambda h: lmk_ops.attention_pool(h, None, torch.ones(4, dtype=torch.float64)),
+}
+
+
+@pytest.mark.parametrize("mode", UNSUPPORTED)
+@pytest.mark.parametrize("op", FUNCTIONS)
+def test_torch_func_differentiation_is_refused_with_an_lmk_ops_message(op, mode):
+    expected = "forward-mode AD is not supported" if mode in ("jvp", "jacfwd", "hessian") else \
+        "torch.func.grad, vjp and jacrev are not supported"
+    with pytest.raises(RuntimeError, match=rf"^lmk_ops\.\w+: {expected}"):
+        UNSUPPORTED[mode](FUNCTIONS[op], _h())
+
+
+@pytest.mark.parametrize("op", FUNCTIONS)
+def test_forward_ad_is_refused_and_vmap_and_reverse_mode_work(op):
+    import torch.autograd.forward_ad as forward_ad
+
+    with forward_ad.dual_level(), pytest.raises(RuntimeError, match=r"forward-mode AD is not supported"):
+        FUNCTIONS[op](forward_ad.make_dual(_h(), torch.ones(2, 3, 4, dtype=torch.float64)))
+    stacked = torch.stack([_h(), 2 * _h()])
+    assert torch.allclose(torch.vmap(FUNCTIONS[op])(stacked)[1], FUNCTIONS[op](2 * _h()))
+    h = _h().requires_grad_()
+    assert torch.autograd.gradcheck(FUNCTIONS[op], (h,))
+
+
+# --- modules and helpers ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["cls", "last", "attention"])
+def test_pooling_normalize_in_float16_gives_zeros_for_a_text_with_no_token(mode):
+    hidden = torch.randn(2, 4, 8).half()
+    mask = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0]])
+    pooling = lmk_ops.nn.Pooling(mode, normalize=True, **({"dim": 8} if mode == "attention" else {}))
+    out = pooling(hidden, {"attention_mask": mask})
+    assert out.dtype == torch.float16 and not out.isnan().any()
+    assert torch.equal(out[1], torch.zeros(8, dtype=torch.float16))
+    assert abs(out[0].float().norm().item() - 1) < 1e-3
+
+
+def test_landmark_gather_checks_a_bool_mask_against_hidden():
+    with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_gather: expected a landmark mask of shape \[B, L\] = "
+                                           r"\[2, 5\], got \[2, 3\]"):
+        lmk_ops.landmark_gather(torch.randn(2, 5, 8), torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_gather: expected landmarks on the same device"):
+        lmk_ops.landmark_gather(torch.randn(2, 5, 8), torch.ones(2, 5, dtype=torch.bool, device="meta"))
+
+
+def test_num_landmarks_makes_positions_and_gather_traceable():
+    mask = torch.tensor([[0, 1, 1, 0, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    hidden = torch.randn(2, 5, 8)
+    compiled = torch.compile(lambda h, m: lmk_ops.landmark_gather(h, m, num_landmarks=4), fullgraph=True)
+    want = lmk_ops.landmark_gather(hidden, mask, num_landmarks=4)
+    got = compiled(hidden, mask)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    positions = torch.compile(lambda m: lmk_ops.landmark_positions(m, 3), fullgraph=True)(mask)
+    assert torch.equal(positions, torch.tensor([[1, 2, 4], [0, -1, -1]]))
+    meta = lmk_ops.landmark_positions(mask.to("meta"), 3)
+    assert meta.shape == (2, 3) and meta.device.type == "meta"
+    with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_positions: expected num_landmarks where"):
+        lmk_ops.landmark_positions(mask.to("meta"))
+    with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_positions: expected num_landmarks as an int >= 0"):
+        lmk_ops.landmark_positions(mask, -1)
+
+
+@pytest.mark.parametrize("fn", [lmk_ops.first_token_pool, lmk_ops.last_token_pool,
+                                lambda h, m: lmk_ops.landmark_gather(h, m.bool(), num_landmarks=2)[0]])
+def test_token_pools_and_gather_work_on_meta_and_fake_tensors(fn):
+    hidden, mask = torch.randn(2, 5, 8), torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]])
+    assert fn(hidden.to("meta"), mask.to("meta")).shape[0] == 2
+    with FakeTensorMode() as mode:
+        out = fn(mode.from_tensor(hidden), mode.from_tensor(mask))
+    assert out.shape[0] == 2
+
+
+@pytest.mark.parametrize("fn", [lmk_ops.first_token_pool, lmk_ops.last_token_pool])
+def test_compiled_token_pools_reject_mask_values_other_than_0_and_1(fn):
+    hidden, mask = torch.randn(2, 5, 8), torch.tensor([[1, 2, 1, 0, 0], [0, 1, 1, 1, 1]])
+    for run in (fn, torch.compile(fn, fullgraph=True)):
+        with pytest.raises(Exception, match=r"lmk_ops\.\w+_token_pool: expected mask values 0 or 1, got 2 at \[0, 1\]"):
+            run(hidden, mask)
+
+
+def test_valid_mask_op_passes_opcheck():
+    for mask in (torch.tensor([[1, 0, 1], [0, 0, 1]]), torch.tensor([[1, 0, 1], [0, 0, 1]], dtype=torch.uint8)):
+        torch.library.opcheck(torch.ops.lmk_ops.valid_mask.default, (mask, "first_token_pool"))
+
+
+def test_attention_scale_must_be_a_number_finite_in_float32():
+    hidden, query = torch.randn(2, 3, 4), torch.randn(4)
+    with pytest.raises(RuntimeError, match=r"^lmk_ops\.attention_pool: expected scale as a Python number, got a "
+                                           r"tensor"):
+        lmk_ops.attention_pool(hidden, None, query, scale=torch.tensor(0.5, requires_grad=True))
+    for scale in (1e39, -1e39, math.inf):
+        with pytest.raises(RuntimeError, match=r"^lmk_ops\.attention_pool: expected a scale finite in float32"):
+            lmk_ops.attention_pool(hidden, None, query, scale=scale)
+        with pytest.raises(Exception, match=r"lmk_ops\.attention_pool: expected a scale finite in float32"):
+            torch.compile(lambda h: lmk_ops.attention_pool(h, None, query, scale=scale), fullgraph=True)(hidden)
+
+
+def test_empty_sequences():
+    batch = lmk_ops.insert_landmarks(torch.zeros(2, 0, dtype=torch.long), landmark_id=9)
+    assert batch.input_ids.shape == (2, 0) and batch.landmark_mask.shape == (2, 0)
+    out = reference.landmark_mean(torch.randn(2, 0, 4), torch.full((2, 3), -1))
+    assert torch.equal(out, torch.zeros(2, 4))
+    assert torch.equal(lmk_ops.landmark_mean(torch.randn(2, 0, 4), torch.full((2, 3), -1)), out)
+
+
+def test_insert_landmarks_takes_integer_intervals_only():
+    ids = torch.tensor([[101, 5, 6, 7, 102]])
+    with pytest.raises(ValueError, match=r"^lmk_ops\.insert_landmarks: expected per-row intervals as an integer "
+                                         r"tensor, got torch\.float32"):
+        lmk_ops.insert_landmarks(ids, landmark_id=9, interval=torch.tensor([1.5]))
+    with pytest.raises(ValueError, match=r"^lmk_ops\.insert_landmarks: expected interval >= 1"):
+        lmk_ops.insert_landmarks(ids, landmark_id=9, interval=2.5)
+    with pytest.raises(ValueError, match=r"^lmk_ops\.sample_intervals: expected a non-empty list of integer "
+                                         r"intervals >= 1, got \[1\.5, 2\.7\]"):
+        lmk_ops.sample_intervals(2, (1.5, 2.7))
+
+
+def test_an_all_padding_row_stays_empty_and_pools_to_zeros():
+    ids = torch.tensor([[101, 5, 6, 102], [0, 0, 0, 0]])
+    batch = lmk_ops.insert_landmarks(ids, (ids != 0).long(), landmark_id=102, interval=1)
+    assert batch.attention_mask[1].sum() == 0 and not batch.landmark_mask[1].any()
+    assert batch.attention_mask[0].tolist() == [1, 1, 1, 1, 1] and batch.landmark_mask[0].sum() == 2
+    hidden = torch.randn(2, batch.input_ids.shape[1], 8)
+    assert torch.equal(lmk_ops.landmark_mean(hidden, batch.landmark_mask)[1], torch.zeros(8))
+    # With truncation too: the padding row gets no landmark from "the last kept position becomes one".
+    cut = lmk_ops.insert_landmarks(ids, (ids != 0).long(), landmark_id=102, interval=8, max_length=2)
+    assert not cut.landmark_mask[1].any() and cut.attention_mask[1].sum() == 0
+
+
+# (call, expected message after "lmk_ops.<name>: ")
+UNCLEAR = [
+    (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=9, max_length=4.0),
+     r"insert_landmarks: expected max_length as an int >= 1 or None, got 4\.0"),
+    (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=9, num_leading=1.0),
+     r"insert_landmarks: expected num_leading as an int >= 0, got 1\.0"),
+    (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]], dtype=torch.uint8), landmark_id=30522),
+     r"insert_landmarks: expected landmark_id representable in input_ids' dtype torch\.uint8 \(\[0, 255\]\), got "
+     r"30522"),
+    (lambda: lmk_ops.mean_pool(None), r"mean_pool: expected hidden to be a tensor \[B, L, D\], got None"),
+    (lambda: lmk_ops.max_pool(torch.randn(2, 3, 4).to_sparse()),
+     r"max_pool: expected hidden as a dense \(strided\) tensor, got layout torch\.sparse_coo"),
+    (lambda: lmk_ops.mean_pool(torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)])),
+     r"mean_pool: expected hidden as a dense \[B, L, D\] tensor, got a nested tensor"),
+    (lambda: lmk_ops.mean_pool(torch.quantize_per_tensor(torch.randn(2, 3, 4), 0.1, 0, torch.qint8)),
+     r"mean_pool: expected hidden of dtype float16, bfloat16, float32 or float64, got a quantized tensor"),
+    (lambda: lmk_ops.landmark_positions(torch.ones(2, 3, dtype=torch.bool), -1),
+     r"landmark_positions: expected num_landmarks as an int >= 0 \(or None\), got -1"),
+    (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=9).to(torch.float16),
+     r"LandmarkBatch\.to: expected a device, got the dtype torch\.float16"),
+]
+if torch.backends.mkldnn.is_available():
+    UNCLEAR.append((lambda: lmk_ops.mean_pool(torch.randn(2, 3, 4).to_mkldnn()),
+                    r"mean_pool: expected hidden as a dense \(strided\) tensor, got layout torch\._mkldnn"))
+
+
+@pytest.mark.parametrize("call,message", UNCLEAR, ids=[m.split(":")[0] + str(i) for i, (_, m) in enumerate(UNCLEAR)])
+def test_clear_errors_for_inputs_that_used_to_fail_unclearly(call, message):
+    with pytest.raises((RuntimeError, ValueError, TypeError), match=rf"^lmk_ops\.{message}"):
+        call()
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16])
+def test_masks_of_every_integer_dtype(dtype):
+    hidden = torch.randn(2, 3, 4)
+    mask = torch.tensor([[1, 1, 0], [0, 1, 0]]).to(dtype)
+    want = reference.mean_pool(hidden, mask.long())
+    torch.testing.assert_close(lmk_ops.mean_pool(hidden, mask), want)
+    torch.testing.assert_close(lmk_ops.first_token_pool(hidden, mask), hidden[[0, 1], [0, 1]])
+    bad = mask.clone()
+    bad[1, 2] = 2
+    with pytest.raises(RuntimeError, match=r"^lmk_ops\.mean_pool: expected mask values 0 or 1, got 2 at \[1, 2\]"):
+        lmk_ops.mean_pool(hidden, bad)
+
+
+def test_landmark_batch_moves_between_devices():
+    batch = lmk_ops.insert_landmarks(torch.tensor([[101, 5, 6, 102]]), landmark_id=102, interval=1)
+    moved = batch.to("meta")
+    assert all(getattr(moved, k).device.type == "meta" and getattr(moved, k).dtype == getattr(batch, k).dtype
+               for k in batch.keys())
+
+
+# --- strides, aliasing, padding values, threads, size -------------------------------------------------------------
+
+def test_padding_full_of_nan_and_inf_does_not_leak():
+    hidden = torch.randn(2, 6, 8)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    poisoned = hidden.clone()
+    poisoned[0, 3:] = float("nan")
+    poisoned[1, :2] = float("inf")
+    query = torch.randn(8)
+    for fn in (lambda h: lmk_ops.mean_pool(h, mask), lambda h: lmk_ops.max_pool(h, mask),
+               lambda h: lmk_ops.landmark_mean(h, mask), lambda h: lmk_ops.attention_pool(h, mask, query),
+               lambda h: lmk_ops.first_token_pool(h, mask), lambda h: lmk_ops.last_token_pool(h, mask)):
+        assert torch.equal(fn(poisoned), fn(hidden))
+        h = poisoned.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(fn(h).sum(), h)
+        assert grad.isfinite().all() and not grad[~mask].any()
+
+
+def test_strided_and_aliased_inputs_are_read_right_and_left_untouched():
+    base = torch.randn(3, 20, 16)
+    hidden = base[:, ::2, 1::2]  # strides in every dimension
+    mask = (base[:, ::2, 0] > -0.5)  # a view of the same storage as hidden
+    snapshot = (base.clone(), mask.clone())
+    dense = hidden.contiguous()
+    for ours, ref in ((lmk_ops.mean_pool, reference.mean_pool), (lmk_ops.max_pool, reference.max_pool)):
+        torch.testing.assert_close(ours(hidden, mask), ref(dense, mask))
+    h = hidden.clone().requires_grad_()
+    lmk_ops.attention_pool(h, mask, torch.ones(8)).sum().backward()
+    assert torch.equal(base, snapshot[0]) and torch.equal(mask, snapshot[1])
+
+
+def test_many_python_threads_get_the_same_bits():
+    hidden = torch.randn(4, 3000, 64)
+    mask = torch.rand(4, 3000) < 0.7
+    want = lmk_ops.mean_pool(hidden, mask), lmk_ops.max_pool(hidden, mask)
+    results, errors = [], []
+
+    def work():
+        try:
+            for _ in range(5):
+                results.append((lmk_ops.mean_pool(hidden, mask), lmk_ops.max_pool(hidden, mask)))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    workers = [threading.Thread(target=work) for _ in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors
+    assert all(torch.equal(m, want[0]) and torch.equal(x, want[1]) for m, x in results)
+
+
+def _memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+@pytest.mark.skipif(_memory_gib() < 16, reason="needs 16 GiB of memory")
+def test_more_than_2_to_the_31_elements():
+    seq_len = 2**31 // 1024 + 7
+    hidden = torch.empty(1, seq_len, 1024, dtype=torch.bfloat16)
+    hidden.fill_(1.0)
+    hidden[0, -1] = 3.0  # past element 2^31: read with 64-bit offsets
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mean = lmk_ops.mean_pool(hidden)
+        values, where = lmk_ops.max_pool(hidden, return_indices=True)
+    expected = (seq_len - 1 + 3.0) / seq_len
+    assert torch.equal(mean, torch.full((1, 1024), expected).to(torch.bfloat16))
+    assert torch.equal(values, torch.full((1, 1024), 3.0, dtype=torch.bfloat16))
+    assert (where == seq_len - 1).all()

@@ -1,25 +1,26 @@
 // Vectorised CPU kernels of attention pooling. Compiled once per CPU capability, like pool_kernels.cpp.
 //
-// Work split (forward and backward): tasks are (text b, block of whole heads), as for_each_text_block makes them:
-// whole texts when B keeps every thread busy, blocks of heads when it does not. Each (text, head) result depends
-// only on that text's valid rows, taken in order, so a text pools to the same bits alone or in a batch, whatever
-// the padding side or the thread count.
+// Work split (forward and backward): each text's valid rows are cut into chunks (kChunkRows, kernel_common.h), and
+// tasks are (text, chunk, block of whole heads), so one long text is spread over every thread; a second pass merges
+// each text's chunks in chunk order. Every (text, head) result depends only on that text's valid rows, taken in
+// order, so a text pools to the same bits alone or in a batch, whatever the padding side or the thread count.
 //
-// Forward, per text and head: one pass over the valid rows with an online softmax. Each group of rows gets its
+// Forward, per chunk and head: one pass over the chunk's rows with an online softmax. Each group of rows gets its
 // scores (dot with the head's query), the running maximum moves up if a score passes it (rescaling the running
 // total and the weighted row sum once per group), then the rows are added with weight exp(score - max). Nothing
-// can overflow: every exponent is <= 0. Only the softmax statistics are kept for the backward: per text and head
-// the maximum score and the sum of exp(score - max), the two parts of the log-sum-exp max + log(sum).
+// can overflow: every exponent is <= 0. Sums run in float32 over kFoldRows rows and are folded into float64, and
+// the chunks' (max, total, weighted sum) are merged in float64, so the error does not grow with L. Only the softmax
+// statistics are kept for the backward: per text and head the maximum score and the sum of exp(score - max).
 //
-// Backward, per text and head: with p_l = exp(s_l - max) / sum and a_l = <g, x_l> (+ the gradient of the returned
-// weight), the score gradient is p_l (a_l - delta) with delta = sum_l p_l a_l. Written that way it cancels badly
-// in float32 when the states share a large common part, so the backward works relative to the forward's output m
-// (the weighted mean of the rows, so delta = <g, m> + sum_l p_l gw_l): with e_l = <g, x_l - m> + gw_l and
-// S = sum_l p_l e_l, the score gradient is p_l (e_l - S), and the query gradient scale * sum_l p_l (e_l - S) x_l
-// equals scale * (sum_l p_l e_l (x_l - m) - S sum_l p_l (x_l - m)), every term small where the rows agree. One
-// pass reads each valid row once and keeps p_l, e_l and those two sums. The rows of grad_hidden,
-// p_l g + scale p_l (e_l - S) q, need no hidden state: a second loop writes every one of them (zeros for the
-// padding) without reading hidden again.
+// Backward: with p_l = exp(s_l - max) / sum and a_l = <g, x_l> (+ the gradient of the returned weight), the score
+// gradient is p_l (a_l - delta) with delta = sum_l p_l a_l. Written that way it cancels badly in float32 when the
+// states share a large common part, so the backward works relative to the forward's output m (the weighted mean of
+// the rows, so delta = <g, m> + sum_l p_l gw_l): with e_l = <g, x_l - m> + gw_l and S = sum_l p_l e_l, the score
+// gradient is p_l (e_l - S), and the query gradient scale * sum_l p_l (e_l - S) x_l equals
+// scale * (sum_l p_l e_l (x_l - m) - S sum_l p_l (x_l - m)), every term small where the rows agree. A first pass
+// over the chunks reads each valid row once and keeps p_l, e_l and the chunk's sums; a second merges the chunks per
+// text (S, the text's share of the query gradient); a third writes every row of grad_hidden,
+// p_l g + scale p_l (e_l - S) q (zeros for the padding), split over rows, without reading hidden again.
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -208,39 +209,68 @@ void attention_forward_typed(const at::Tensor& hidden, const at::Tensor& valid, 
   scalar_t* o = out.data_ptr<scalar_t>();
   double* all_stats = stats.data_ptr<double>();
   acc* w = weights.defined() ? weights.data_ptr<acc>() : nullptr;
-  with_row_selectors(RowSelection{valid, at::Tensor()}, seq_len, [&](int64_t rows_per_text, const auto& rows_of) {
-    for_each_text_block(batch, rows_per_text, dim, head_dim, [&](int64_t b, int64_t d0, int64_t n) {
-      const int64_t h0 = d0 / head_dim, block_heads = n / head_dim;
-      std::vector<acc> state(n + 2 * block_heads);
-      std::vector<double> totals(n + block_heads);
-      acc* scores = w != nullptr ? w + (b * heads + h0) * seq_len : nullptr;
-      SoftmaxReducer<scalar_t> reducer{q + d0,          static_cast<acc>(scale), block_heads,
-                                       head_dim,        state.data(),            totals.data(),
-                                       state.data() + n, state.data() + n + block_heads, totals.data() + n,
-                                       scores,          seq_len};
-      const auto rows = rows_of(b);
-      const int64_t count = reduce_rows(h + b * sb + d0 * sd, sl, sd, n, rows, reducer);
+  const RowListing listing = list_rows(RowSelection{valid, at::Tensor()}, batch, seq_len);
+  const RowList& list = listing.view;
+  const int64_t chunks = chunks_for(list.upper());
+  // Each chunk's softmax state (running max, total, weighted sum), merged per text below in chunk order.
+  std::vector<acc> part_max(batch * chunks * heads);
+  std::vector<double> part_sum(batch * chunks * heads), part_out(batch * chunks * dim);
+  for_each_chunk(list, batch, dim, head_dim, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n,
+                                                 const ChunkRows& rows) {
+    const int64_t h0 = d0 / head_dim, block_heads = n / head_dim;
+    std::vector<acc> state(n + 2 * block_heads);
+    std::vector<double> totals(n + block_heads);
+    acc* scores = w != nullptr ? w + (b * heads + h0) * seq_len : nullptr;
+    SoftmaxReducer<scalar_t> reducer{q + d0,          static_cast<acc>(scale), block_heads,
+                                     head_dim,        state.data(),            totals.data(),
+                                     state.data() + n, state.data() + n + block_heads, totals.data() + n,
+                                     scores,          seq_len};
+    if (reduce_rows(h + b * sb + d0 * sd, sl, sd, n, rows, reducer) > 0) {
       reducer.fold();
-      scalar_t* dst = o + b * dim + d0;
-      double* text_stats = all_stats + (b * heads + h0) * 2;
-      for (int64_t hh = 0; hh < block_heads; ++hh) {
-        const double total = count > 0 ? reducer.total_sum[hh] : 0.0;
-        if (count > 0) {
-          text_stats[2 * hh] = reducer.running_max[hh];
-          text_stats[2 * hh + 1] = total;
-        }
-        for (int64_t i = hh * head_dim; i < (hh + 1) * head_dim; ++i) {
-          dst[i] = count > 0 ? static_cast<scalar_t>(totals[i] / total) : scalar_t(0);
+      const int64_t part = b * chunks + chunk;
+      std::copy_n(reducer.running_max, block_heads, part_max.data() + part * heads + h0);
+      std::copy_n(reducer.total_sum, block_heads, part_sum.data() + part * heads + h0);
+      std::copy_n(reducer.weighted_total, n, part_out.data() + part * dim + d0);
+    }
+  });
+  // Per text and block of heads: the chunks merged in order (in float64), the output, the statistics and the
+  // returned probabilities. A text with no valid row keeps zeros and its -inf statistics.
+  for_each_text(list, batch, dim, head_dim, 0, [&](int64_t b, int64_t d0, int64_t n) {
+    const int64_t h0 = d0 / head_dim, used = (list.rows(b) + kChunkRows - 1) / kChunkRows;
+    if (used == 0) {
+      std::fill_n(o + b * dim + d0, n, scalar_t(0));
+      return;
+    }
+    for (int64_t hh = h0; hh < h0 + n / head_dim; ++hh) {
+      acc best = -std::numeric_limits<acc>::infinity();
+      for (int64_t c = 0; c < used; ++c) {
+        best = std::max(best, part_max[(b * chunks + c) * heads + hh]);
+      }
+      std::vector<double> weighted(head_dim, 0.0);
+      double total = 0;
+      for (int64_t c = 0; c < used; ++c) {
+        const int64_t part = b * chunks + c;
+        const acc m = part_max[part * heads + hh];
+        const double factor = m == best ? 1.0 : static_cast<double>(std::exp(m - best));
+        total += part_sum[part * heads + hh] * factor;
+        for (int64_t i = 0; i < head_dim; ++i) {
+          weighted[i] += part_out[part * dim + hh * head_dim + i] * factor;
         }
       }
-      if (scores != nullptr && count > 0) {
-        rows.each([&](int64_t l) {
-          for (int64_t hh = 0; hh < block_heads; ++hh) {
-            scores[hh * seq_len + l] = probability(scores[hh * seq_len + l], text_stats + 2 * hh);
-          }
-        });
+      for (int64_t i = 0; i < head_dim; ++i) {
+        o[b * dim + hh * head_dim + i] = static_cast<scalar_t>(weighted[i] / total);
       }
-    });
+      double* text_stats = all_stats + (b * heads + hh) * 2;
+      text_stats[0] = best;
+      text_stats[1] = total;
+      if (w != nullptr) {
+        acc* scores = w + (b * heads + hh) * seq_len;
+        for (int64_t j = 0; j < list.rows(b); ++j) {
+          const int64_t l = list.row(b, j);
+          scores[l] = probability(scores[l], text_stats);
+        }
+      }
+    }
   });
 }
 
@@ -295,76 +325,95 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
   const double* all_stats = stats.const_data_ptr<double>();
   scalar_t* gh = grad_hidden.data_ptr<scalar_t>();
   const auto sc = static_cast<acc>(scale);
-  // Each text's share of the query gradient, summed over texts in order below: no atomics, same bits every run.
-  std::vector<acc> query_parts(batch * dim);
-  with_row_selectors(RowSelection{valid, at::Tensor()}, seq_len, [&](int64_t rows_per_text, const auto& rows_of) {
-    for_each_text_block(batch, rows_per_text, dim, head_dim, [&](int64_t b, int64_t d0, int64_t n) {
-      const int64_t h0 = d0 / head_dim, block_heads = n / head_dim;
-      std::vector<int64_t> ls;
-      rows_of(b).each([&](int64_t l) { ls.push_back(l); });
-      const auto count = static_cast<int64_t>(ls.size());
-      // prob[hh * count + j] = p of the j-th valid row; coef holds e, then scale * p * (e - S).
-      std::vector<acc> prob(block_heads * count), coef(block_heads * count);
-      // Running sums, per feature: sum_l p_l e_l (x_l - m) and sum_l p_l (x_l - m); per head: S = sum_l p_l e_l.
-      // Rows add into the current chunk's sums, folded into float64 totals every kFoldRows rows.
-      std::vector<double> totals(2 * n + block_heads, 0.0);
-      std::vector<acc> chunk_sums(2 * n + block_heads, acc(0));
-      const double* pe_rows = totals.data();
-      const double* p_rows = pe_rows + n;
-      const double* total_pe = p_rows + n;
-      acc* chunk = chunk_sums.data();  // the same three, for the current chunk
-      const scalar_t* text = h + b * sb + d0 * sd;
-      const acc* gb = g + b * dim + d0;
-      const acc* qb = q + d0;
-      const acc* mb = mean + b * dim + d0;
-      const double* text_stats = all_stats + (b * heads + h0) * 2;
-      const acc* gwb = gw != nullptr ? gw + (b * heads + h0) * seq_len : nullptr;
-      for (int64_t j = 0; j < count; ++j) {
-        const scalar_t* row = text + ls[j] * sl;
-        for (int64_t hh = 0; hh < block_heads; ++hh) {
-          const int64_t offset = hh * head_dim;
-          const scalar_t* x = row + offset * sd;
-          const acc p = probability(dot<false>(x, sd, nullptr, qb + offset, head_dim) * sc, text_stats + 2 * hh);
-          const acc e = dot<true>(x, sd, mb + offset, gb + offset, head_dim) +
-                        (gwb != nullptr ? gwb[hh * seq_len + ls[j]] : acc(0));
-          prob[hh * count + j] = p;
-          coef[hh * count + j] = e;
-          chunk[2 * n + hh] += p * e;
-          add_centred_twice(chunk + offset, chunk + n + offset, p * e, p, x, sd, mb + offset, head_dim);
-        }
-        if ((j + 1) % kFoldRows == 0 || j + 1 == count) {
-          fold_chunk(totals.data(), chunk, 2 * n + block_heads);
-        }
-      }
-      acc* part = query_parts.data() + b * dim + d0;
+  const RowListing listing = list_rows(RowSelection{valid, at::Tensor()}, batch, seq_len);
+  const RowList& list = listing.view;
+  const int64_t chunks = chunks_for(list.upper());
+  // p and e of every valid row, per head; per chunk the sums of p e (x - m) and p (x - m) per feature and of p e
+  // per head, in float64.
+  std::vector<acc> prob(batch * heads * seq_len), err(batch * heads * seq_len);
+  std::vector<double> part_pex(batch * chunks * dim, 0.0), part_px(batch * chunks * dim, 0.0);
+  std::vector<double> part_pe(batch * chunks * heads, 0.0);
+  for_each_chunk(list, batch, dim, head_dim, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n,
+                                                 const ChunkRows& rows) {
+    const int64_t h0 = d0 / head_dim, block_heads = n / head_dim, part = b * chunks + chunk;
+    // Rows add into the current run's sums (accumulation type), folded into the float64 partials every kFoldRows.
+    std::vector<acc> run(2 * n + block_heads, acc(0));
+    const auto fold = [&] {
+      fold_chunk(part_pex.data() + part * dim + d0, run.data(), n);
+      fold_chunk(part_px.data() + part * dim + d0, run.data() + n, n);
+      fold_chunk(part_pe.data() + part * heads + h0, run.data() + 2 * n, block_heads);
+    };
+    const scalar_t* text = h + b * sb + d0 * sd;
+    const acc* gb = g + b * dim + d0;
+    const acc* qb = q + d0;
+    const acc* mb = mean + b * dim + d0;
+    const double* text_stats = all_stats + (b * heads + h0) * 2;
+    int64_t in_run = 0;
+    rows.each([&](int64_t l) {
+      const scalar_t* row = text + l * sl;
       for (int64_t hh = 0; hh < block_heads; ++hh) {
-        for (int64_t i = hh * head_dim; i < (hh + 1) * head_dim; ++i) {
-          part[i] = static_cast<acc>(sc * (pe_rows[i] - total_pe[hh] * p_rows[i]));
-        }
-        const auto text_sum = static_cast<acc>(total_pe[hh]);
-        for (int64_t j = hh * count; j < (hh + 1) * count; ++j) {
-          coef[j] = sc * prob[j] * (coef[j] - text_sum);
-        }
+        const int64_t offset = hh * head_dim, at = (b * heads + h0 + hh) * seq_len + l;
+        const scalar_t* x = row + offset * sd;
+        const acc p = probability(dot<false>(x, sd, nullptr, qb + offset, head_dim) * sc, text_stats + 2 * hh);
+        const acc e = dot<true>(x, sd, mb + offset, gb + offset, head_dim) + (gw != nullptr ? gw[at] : acc(0));
+        prob[at] = p;
+        err[at] = e;
+        run[2 * n + hh] += p * e;
+        add_centred_twice(run.data() + offset, run.data() + n + offset, p * e, p, x, sd, mb + offset, head_dim);
       }
-      // Every row of the block once, in order: the valid rows from the sums above, zeros elsewhere.
-      std::vector<acc> wide(std::is_same_v<scalar_t, acc> ? 0 : n);
-      for (int64_t l = 0, j = 0; l < seq_len; ++l) {
-        scalar_t* dst = gh + (b * seq_len + l) * dim + d0;
-        if (j == count || ls[j] != l) {
-          std::memset(static_cast<void*>(dst), 0, n * sizeof(scalar_t));
-          continue;
-        }
-        acc* row = wide.empty() ? reinterpret_cast<acc*>(dst) : wide.data();
-        for (int64_t hh = 0; hh < block_heads; ++hh) {
-          const int64_t offset = hh * head_dim;
-          combine(row + offset, prob[hh * count + j], gb + offset, coef[hh * count + j], qb + offset, head_dim);
-        }
-        if (!wide.empty()) {
-          at::vec::convert(wide.data(), dst, n);
-        }
-        ++j;
+      if (++in_run == kFoldRows) {
+        fold();
+        in_run = 0;
       }
     });
+    fold();
+  });
+  // Per (text, head): S = sum of p e over its chunks in order; each text's share of the query gradient,
+  // scale * (sum p e (x - m) - S sum p (x - m)), summed over the texts in order below: no atomics, same bits.
+  std::vector<acc> text_sums(batch * heads), query_parts(batch * dim);
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t used = (list.rows(b) + kChunkRows - 1) / kChunkRows;
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        double s = 0;
+        for (int64_t c = 0; c < used; ++c) {
+          s += part_pe[(b * chunks + c) * heads + hh];
+        }
+        text_sums[b * heads + hh] = static_cast<acc>(s);
+        for (int64_t i = hh * head_dim; i < (hh + 1) * head_dim; ++i) {
+          double pex = 0, px = 0;
+          for (int64_t c = 0; c < used; ++c) {
+            pex += part_pex[(b * chunks + c) * dim + i];
+            px += part_px[(b * chunks + c) * dim + i];
+          }
+          query_parts[b * dim + i] = static_cast<acc>(sc * (pex - s * px));
+        }
+      }
+    }
+  });
+  // Every row of grad_hidden once, split over rows: p g + scale p (e - S) q for a valid row, zeros elsewhere,
+  // without reading hidden again.
+  const bool* is_valid = valid.defined() ? valid.const_data_ptr<bool>() : nullptr;
+  const int64_t grain = std::max<int64_t>(1, kMinParallelWork / dim);
+  at::parallel_for(0, batch * seq_len, grain, [&](int64_t begin, int64_t end) {
+    std::vector<acc> wide(std::is_same_v<scalar_t, acc> ? 0 : dim);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r / seq_len, l = r % seq_len;
+      scalar_t* dst = gh + r * dim;
+      if (is_valid != nullptr && !is_valid[r]) {
+        std::memset(static_cast<void*>(dst), 0, dim * sizeof(scalar_t));
+        continue;
+      }
+      acc* row = wide.empty() ? reinterpret_cast<acc*>(dst) : wide.data();
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        const int64_t offset = hh * head_dim, at = (b * heads + hh) * seq_len + l;
+        const acc coef = sc * prob[at] * (err[at] - text_sums[b * heads + hh]);
+        combine(row + offset, prob[at], g + b * dim + offset, coef, q + offset, head_dim);
+      }
+      if (!wide.empty()) {
+        at::vec::convert(wide.data(), dst, dim);
+      }
+    }
   });
   acc* gq = grad_query.data_ptr<acc>();
   for (int64_t i = 0; i < dim; ++i) {

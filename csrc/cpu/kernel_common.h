@@ -19,12 +19,12 @@ using at::vec::Vectorized;
 template <typename scalar_t>
 using acc_t = at::opmath_type<scalar_t>;  // float for half/bfloat16/float, double for double
 
-// Work split for the forward kernels: tasks are (text b, block of features [d0, d0 + n)). Each task walks its
-// text's selected rows (increasing l, or the listed order) and reduces the block into an accumulator of its own,
-// so every element's result depends only on that text's data, in a fixed order: a text pools to the same bits
-// alone or in a batch, whatever the thread count. Blocks are whole rows when there are enough texts to occupy
-// every thread, and are split (down to kMinBlock, which keeps each row read a long contiguous run for the
-// prefetcher) when B is small.
+// Work split for the forward kernels: tasks are (text b, chunk of its selected rows, block of features
+// [d0, d0 + n)) (for_each_chunk below). Each task walks its chunk's rows in order and reduces the block into an
+// accumulator of its own, so every element's result depends only on that text's data, in a fixed order: a text
+// pools to the same bits alone or in a batch, whatever the thread count. Blocks are whole rows when there are
+// enough tasks to occupy every thread, and are split (down to kMinBlock, which keeps each row read a long
+// contiguous run for the prefetcher) when there are not.
 constexpr int64_t kMaxBlock = 1024;
 constexpr int64_t kMinBlock = 256;
 constexpr int64_t kTasksPerThread = 4;
@@ -39,21 +39,6 @@ inline int64_t feature_block(int64_t batch, int64_t dim, int64_t unit) {
   const int64_t align = unit == 1 ? 64 : unit;
   const int64_t block = std::clamp((dim + blocks_per_text - 1) / blocks_per_text, kMinBlock, kMaxBlock);
   return std::min((block + align - 1) / align * align, dim);
-}
-
-// Calls body(b, d0, n) for every (text, feature block) task, in parallel.
-template <typename Body>
-void for_each_text_block(int64_t batch, int64_t rows_per_text, int64_t dim, int64_t unit, const Body& body) {
-  const int64_t block = feature_block(batch, dim, unit);
-  const int64_t blocks = (dim + block - 1) / block;
-  const int64_t grain = std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, rows_per_text * block));
-  at::parallel_for(0, batch * blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / blocks;
-      const int64_t d0 = (task % blocks) * block;
-      body(b, d0, std::min(block, dim - d0));
-    }
-  });
 }
 
 // Rows a chunk holds: the unit of parallel work of the pooling kernels. A text's selected rows are cut into chunks
@@ -75,12 +60,18 @@ struct ChunkRows {
   }
 };
 
+// The number of chunks a text of up to `upper` selected rows can have.
+inline int64_t chunks_for(int64_t upper) {
+  return std::max<int64_t>(1, (upper + kChunkRows - 1) / kChunkRows);
+}
+
 // Calls body(b, chunk, d0, n, rows) for every (text, chunk of its selected rows, block of features) task, in
-// parallel; a text with no selected row still gets its chunk 0 (with no rows), to write its zeros.
+// parallel; a text with no selected row still gets its chunk 0 (with no rows), to write its zeros. Blocks are whole
+// units (attention heads).
 template <typename Body>
-void for_each_chunk(const RowList& list, int64_t batch, int64_t dim, const Body& body) {
-  const int64_t chunks = std::max<int64_t>(1, (list.upper() + kChunkRows - 1) / kChunkRows);
-  const int64_t block = feature_block(batch * chunks, dim, 1);
+void for_each_chunk(const RowList& list, int64_t batch, int64_t dim, int64_t unit, const Body& body) {
+  const int64_t chunks = chunks_for(list.upper());
+  const int64_t block = feature_block(batch * chunks, dim, unit);
   const int64_t blocks = (dim + block - 1) / block;
   const int64_t grain = std::max<int64_t>(1, kMinParallelWork / (std::min(kChunkRows, list.upper()) * block + 1));
   at::parallel_for(0, batch * chunks * blocks, grain, [&](int64_t begin, int64_t end) {
@@ -94,19 +85,20 @@ void for_each_chunk(const RowList& list, int64_t batch, int64_t dim, const Body&
   });
 }
 
-// Calls body(b, d0, n) for every (text with more than one chunk, block of features) task, in parallel: the
-// combining pass after for_each_chunk.
+// Calls body(b, d0, n) for every (text, block of features) task with min_rows selected rows or more, in parallel:
+// the combining pass after for_each_chunk (min_rows = kChunkRows + 1: the texts of several chunks).
 template <typename Body>
-void for_each_long_text(const RowList& list, int64_t batch, int64_t dim, const Body& body) {
-  if (list.upper() <= kChunkRows) {
+void for_each_text(const RowList& list, int64_t batch, int64_t dim, int64_t unit, int64_t min_rows,
+                   const Body& body) {
+  if (list.upper() < min_rows) {
     return;
   }
-  const int64_t block = feature_block(batch, dim, 1);
+  const int64_t block = feature_block(batch, dim, unit);
   const int64_t blocks = (dim + block - 1) / block;
   at::parallel_for(0, batch * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / blocks, d0 = task % blocks * block;
-      if (list.rows(b) > kChunkRows) {
+      if (list.rows(b) >= min_rows) {
         body(b, d0, std::min(block, dim - d0));
       }
     }
@@ -122,58 +114,6 @@ inline Vectorized<acc_t<scalar_t>> load_widened(const scalar_t* p) {
     Vectorized<float> v;
     at::vec::load_to_float(p, v);
     return v;
-  }
-}
-
-// The row selections of RowSelection, one text at a time: each(f) calls f(l) for the text's selected rows in order.
-struct AllRows {
-  int64_t seq_len;
-  template <typename F>
-  void each(const F& f) const {
-    for (int64_t l = 0; l < seq_len; ++l) {
-      f(l);
-    }
-  }
-};
-
-struct MaskedRows {
-  const bool* valid;
-  int64_t seq_len;
-  template <typename F>
-  void each(const F& f) const {
-    for (int64_t l = 0; l < seq_len; ++l) {
-      if (valid[l]) {
-        f(l);
-      }
-    }
-  }
-};
-
-struct ListedRows {
-  const int64_t* positions;
-  int64_t count;
-  template <typename F>
-  void each(const F& f) const {
-    for (int64_t k = 0; k < count; ++k) {
-      if (positions[k] >= 0) {
-        f(positions[k]);
-      }
-    }
-  }
-};
-
-// Calls run(rows_per_text, rows_of), where rows_of(b) is text b's selector (ListedRows, MaskedRows or AllRows).
-template <typename Run>
-void with_row_selectors(const RowSelection& selection, int64_t seq_len, const Run& run) {
-  if (selection.positions.defined()) {
-    const int64_t listed = selection.positions.size(1);
-    const int64_t* p = selection.positions.const_data_ptr<int64_t>();
-    run(listed, [=](int64_t b) { return ListedRows{p + b * listed, listed}; });
-  } else if (selection.mask.defined()) {
-    const bool* v = selection.mask.const_data_ptr<bool>();
-    run(seq_len, [=](int64_t b) { return MaskedRows{v + b * seq_len, seq_len}; });
-  } else {
-    run(seq_len, [=](int64_t) { return AllRows{seq_len}; });
   }
 }
 

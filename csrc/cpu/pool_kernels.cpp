@@ -168,19 +168,15 @@ void pool_forward(const at::Tensor& hidden, const RowSelection& selection, const
   const scalar_t* h = hidden.const_data_ptr<scalar_t>();
   const RowListing listing = list_rows(selection, batch, seq_len);
   const RowList& list = listing.view;
-  for_each_chunk(list, batch, dim, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n, const ChunkRows& rows) {
+  for_each_chunk(list, batch, dim, 1, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n, const ChunkRows& rows) {
     Reducer reducer;
     if (reduce_rows(h + b * sb + d0 * sd, sl, sd, n, rows, reducer) > 0) {
       reducer.finish();
     }
     chunk_done(b, chunk, d0, n, reducer, list.rows(b));
   });
-  for_each_long_text(list, batch, dim, [&](int64_t b, int64_t d0, int64_t n) { combine(b, d0, n, list.rows(b)); });
-}
-
-// The number of chunks a text of up to `upper` selected rows can have (the partial results' second dimension).
-inline int64_t chunks_for(int64_t upper) {
-  return std::max<int64_t>(1, (upper + kChunkRows - 1) / kChunkRows);
+  for_each_text(list, batch, dim, 1, kChunkRows + 1,
+                [&](int64_t b, int64_t d0, int64_t n) { combine(b, d0, n, list.rows(b)); });
 }
 
 template <typename scalar_t, typename out_t>

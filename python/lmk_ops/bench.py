@@ -77,33 +77,32 @@ def forward_backward(fn, hidden, second, grad):
     return torch.autograd.grad(fn(hidden, second), [hidden, *extra], grad)
 
 
-def time_ms(fn, device: str, min_time=0.25, min_reps=5, max_reps=100, warmup=2, slow_ms=100.0) -> float:
-    """Median milliseconds of fn() over repeated calls (at least min_reps, about min_time seconds in all). A call
-    slower than slow_ms (the eager baselines on large shapes) gets one warm-up call and three samples: its median
-    is then plenty precise for a ratio of many times, and the report keeps to its time."""
-    t0 = time.perf_counter()
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    if (time.perf_counter() - t0) * 1e3 > slow_ms:
-        warmup, min_reps = 1, 3
-    for _ in range(warmup - 1):
-        fn()
-    samples = []
-    spent = 0.0
-    while len(samples) < min_reps or (spent < min_time and len(samples) < max_reps):
+def time_ms(fn, device: str, min_time=0.15, min_reps=5, max_reps=100, slow_ms=100.0) -> float:
+    """Median milliseconds of fn() over repeated calls after one warm-up call (which compiles and allocates): at
+    least min_reps, about min_time seconds in all. A call slower than slow_ms (the eager baselines on large shapes)
+    gets about one second of samples, three at most: the median is then plenty precise for a ratio of many times,
+    and the report keeps to its time."""
+
+    def sample() -> float:
         if device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
             end.record()
             end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-        spent += samples[-1] / 1e3
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    samples = [sample()]
+    if samples[0] > slow_ms:
+        min_reps, min_time = max(1, min(3, int(1000 / samples[0]))), 0.0
+    while len(samples) < min_reps or (sum(samples) / 1e3 < min_time and len(samples) < max_reps):
+        samples.append(sample())
     return statistics.median(samples)
 
 

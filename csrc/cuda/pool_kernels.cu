@@ -5,8 +5,9 @@
 // warp reads 512 contiguous bytes of a row) by kThreads / kFeatureLanes row lanes: row lane y takes the chunk's
 // rows y, y + Y, ... in order, kRowsInFlight loads at a time; the Y lanes are then combined in order through shared
 // memory. Tiles one warp wide give a medium batch enough blocks to fill the GPU (32 x 512 x 768 in bfloat16: 384
-// blocks), and the order of every addition still depends only on D and on the text's own rows. A text with one chunk is finished by that block; longer texts leave
-// per-chunk partial results that a second kernel combines in chunk order.
+// blocks), and the order of every addition still depends only on D and on the text's own rows. A text with one
+// chunk is finished by that block; longer texts leave per-chunk partial results that a second kernel combines in
+// chunk order.
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -46,12 +47,13 @@ __device__ __forceinline__ bool takes_over(acc x, int64_t at, acc best, int64_t 
 }
 
 template <bool kMax, typename scalar_t, typename out_t, int VEC>
-__global__ void __launch_bounds__(kThreads) pool_chunks(const scalar_t* hidden, int64_t sb, int64_t sl, int64_t sd, SelectedRows rows,
-                            int64_t dim, int64_t chunks, int64_t tiles, out_t* out, int32_t* argmax,
-                            partial_t<kMax, scalar_t>* partial, int32_t* partial_where) {
+__global__ void __launch_bounds__(kThreads)
+    pool_chunks(const scalar_t* hidden, int64_t sb, int64_t sl, int64_t sd, SelectedRows rows, int64_t dim,
+                int64_t chunks, int64_t tiles, out_t* out, int32_t* argmax, partial_t<kMax, scalar_t>* partial,
+                int32_t* partial_where) {
   using acc = acc_t<scalar_t>;
   using value_acc = value_t<kMax, scalar_t>;
-  extern __shared__ unsigned char shared_bytes[];
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
   const int64_t tile = blockIdx.x % tiles, chunk = (blockIdx.x / tiles) % chunks, b = blockIdx.x / (tiles * chunks);
   const int64_t n = rows.rows(b), begin = chunk * kChunkRows;
   if (begin >= n && chunk > 0) {
@@ -155,8 +157,9 @@ __global__ void __launch_bounds__(kThreads) pool_chunks(const scalar_t* hidden, 
 
 // Finishes the texts with more than one chunk: their partial results, taken in chunk order.
 template <bool kMax, typename scalar_t, typename out_t>
-__global__ void combine_chunks(const partial_t<kMax, scalar_t>* partial, const int32_t* partial_where, SelectedRows rows,
-                               int64_t batch, int64_t dim, int64_t chunks, out_t* out, int32_t* argmax) {
+__global__ void combine_chunks(const partial_t<kMax, scalar_t>* partial, const int32_t* partial_where,
+                               SelectedRows rows, int64_t batch, int64_t dim, int64_t chunks, out_t* out,
+                               int32_t* argmax) {
   using acc = partial_t<kMax, scalar_t>;
   const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (i >= batch * dim) {

@@ -124,7 +124,7 @@ from parity import check_against_reference
 assert lmk_ops.build_info()["cpu_capability"] == "{capability.upper()}", lmk_ops.build_info()
 gen = torch.Generator().manual_seed(0)
 for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-    for b, l, d in ((3, 41, 300), (2, 7, 37), (1, 1, 1)):
+    for b, l, d in ((3, 41, 300), (2, 7, 37), (1, 1, 1), (2, 1100, 40)):  # the last: several chunks
         hidden = torch.randn(b, l, d, generator=gen).to(dtype)
         mask = torch.rand(b, l, generator=gen) < 0.6
         check_against_reference("{op}", hidden, mask, torch.randn(b, d, generator=gen).to(dtype))

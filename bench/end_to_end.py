@@ -15,7 +15,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +22,7 @@ from sentence_transformers.sentence_transformer.modules import Pooling as StPool
 from transformers import BertConfig, BertModel
 
 import lmk_ops
+from lmk_ops.bench import call_ms
 
 
 def poolers(dim: int) -> dict:
@@ -53,24 +53,6 @@ def token_batch(batch: int, seq_len: int, vocab: int, device, seed: int):
     return out.to(device)
 
 
-def timer(device: str):
-    """A function that runs fn and returns its milliseconds (synchronised with the GPU)."""
-
-    def run(fn) -> float:
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    return run
-
-
 def measure(device: str, fn, warmup: int, steps: int) -> tuple[float, float | None]:
     """Median milliseconds of fn over `steps` calls after `warmup`, and the peak GiB allocated during them."""
     for _ in range(warmup):
@@ -78,8 +60,7 @@ def measure(device: str, fn, warmup: int, steps: int) -> tuple[float, float | No
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    run = timer(device)
-    ms = statistics.median(run(fn) for _ in range(steps))
+    ms = statistics.median(call_ms(fn, device) for _ in range(steps))
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
     return ms, peak
 

@@ -5,20 +5,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
-import pytest
+from packages import require
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "end_to_end.py"
 
 
-def _require(module: str):
-    return importlib.import_module(module) if os.environ.get("CI") else pytest.importorskip(module)
-
-
 def test_end_to_end_script_smoke_run(tmp_path):
-    _require("sentence_transformers")
+    require("sentence_transformers")
     spec = importlib.util.spec_from_file_location("end_to_end", SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

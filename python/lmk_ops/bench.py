@@ -77,32 +77,33 @@ def forward_backward(fn, hidden, second, grad):
     return torch.autograd.grad(fn(hidden, second), [hidden, *extra], grad)
 
 
+def call_ms(fn, device: str) -> float:
+    """Milliseconds of one call of fn(): CUDA events on a GPU, the wall clock on the CPU."""
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def time_ms(fn, device: str, min_time=0.15, min_reps=5, max_reps=100, slow_ms=100.0) -> float:
     """Median milliseconds of fn() over repeated calls after one warm-up call (which compiles and allocates): at
     least min_reps, about min_time seconds in all. A call slower than slow_ms (the eager baselines on large shapes)
     gets about one second of samples, three at most: the median is then plenty precise for a ratio of many times,
     and the report keeps to its time."""
-
-    def sample() -> float:
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
     fn()
     if device == "cuda":
         torch.cuda.synchronize()
-    samples = [sample()]
+    samples = [call_ms(fn, device)]
     if samples[0] > slow_ms:
         min_reps, min_time = max(1, min(3, int(1000 / samples[0]))), 0.0
     while len(samples) < min_reps or (sum(samples) / 1e3 < min_time and len(samples) < max_reps):
-        samples.append(sample())
+        samples.append(call_ms(fn, device))
     return statistics.median(samples)
 
 

@@ -107,7 +107,7 @@ struct SoftmaxReducer {
     std::fill_n(running_max, heads, -std::numeric_limits<acc>::infinity());
     std::fill_n(total, heads, acc(0));
     std::fill_n(total_sum, heads, 0.0);
-    step(&row, &l, 1, stride, n);
+    step(RowGroup<scalar_t>{{row}, {row}, {l}, 1}, stride, n);
   }
 
   void fold() {
@@ -116,7 +116,10 @@ struct SoftmaxReducer {
     chunk_rows = 0;
   }
 
-  void step(const scalar_t* const* rows, const int64_t* ls, int k, int64_t stride, int64_t /*n*/) {
+  void step(const RowGroup<scalar_t>& g, int64_t stride, int64_t /*n*/) {
+    const scalar_t* const* rows = g.rows;
+    const int64_t* ls = g.ls;
+    const int k = g.k;
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t offset = h * head_dim;
       const acc* q = query + offset;

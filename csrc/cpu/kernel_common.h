@@ -123,31 +123,54 @@ inline Vectorized<acc_t<scalar_t>> load_widened(const scalar_t* p) {
 // by row, and the groups depend only on the selected rows, never on padding or the batch.
 constexpr int kRowGroup = 4;
 
-// Folds the selected rows of one text's feature block into the reducer, in the selection's order, without
-// reading the other rows. Returns how many rows were folded.
-template <typename scalar_t, typename Rows, typename Reducer>
-int64_t reduce_rows(const scalar_t* block, int64_t stride_l, int64_t stride_d, int64_t n, const Rows& selected,
-                    Reducer& reducer) {
-  int64_t count = 0;
+// A group of selected rows as a reducer's step() takes it: the k row pointers, their positions, and the rows of
+// the next group (`ahead`, the group's own rows where none follow), which step() prefetches line by line with
+// prefetch_ahead() as it walks its own.
+template <typename scalar_t>
+struct RowGroup {
   const scalar_t* rows[kRowGroup];
+  const scalar_t* ahead[kRowGroup];
   int64_t ls[kRowGroup];
-  int k = 0;
-  selected.each([&](int64_t l) {
-    if (count++ == 0) {
-      reducer.init(block + l * stride_l, stride_d, n, l);
-      return;
+  int k;
+};
+
+// Prefetches the cache line of the next group's rows at feature i, once per 64-byte line (contiguous rows), for
+// 16-bit types only. Measured on the 2-core AVX2 machine, one text of 32768 x 1024: four 2 KB bfloat16 rows read
+// side by side are streams the hardware prefetcher follows late (a sum at 1.5x a linear read, 1.05x with this);
+// float32 rows are read at the floor without it and 5-15% slower with it.
+// Always inlined: as a call, GCC finds the function free of side effects (a prefetch only reads) and deletes it.
+template <typename scalar_t>
+[[gnu::always_inline]] inline void prefetch_ahead(const RowGroup<scalar_t>& group, int64_t i) {
+  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(scalar_t));
+  if (sizeof(scalar_t) == 2 && (i & (kLine - 1)) == 0) {
+    for (int r = 0; r < group.k; ++r) {
+      __builtin_prefetch(group.ahead[r] + i);
     }
-    rows[k] = block + l * stride_l;
-    ls[k] = l;
-    if (++k == kRowGroup) {
-      reducer.step(rows, ls, k, stride_d, n);
-      k = 0;
-    }
-  });
-  if (k > 0) {
-    reducer.step(rows, ls, k, stride_d, n);
   }
-  return count;
+}
+
+// Folds a chunk's selected rows of one text's feature block into the reducer, in the selection's order, without
+// reading the other rows. Returns how many rows were folded.
+template <typename scalar_t, typename Reducer>
+int64_t reduce_rows(const scalar_t* block, int64_t stride_l, int64_t stride_d, int64_t n, const ChunkRows& chunk,
+                    Reducer& reducer) {
+  if (chunk.begin == chunk.end) {
+    return 0;
+  }
+  const auto row = [&](int64_t j) { return chunk.list->row(chunk.b, j); };
+  reducer.init(block + row(chunk.begin) * stride_l, stride_d, n, row(chunk.begin));
+  RowGroup<scalar_t> group;
+  for (int64_t j = chunk.begin + 1; j < chunk.end; j += kRowGroup) {
+    group.k = static_cast<int>(std::min<int64_t>(kRowGroup, chunk.end - j));
+    for (int r = 0; r < group.k; ++r) {
+      group.ls[r] = row(j + r);
+      group.rows[r] = block + group.ls[r] * stride_l;
+      const int64_t next = j + kRowGroup + r;
+      group.ahead[r] = next < chunk.end ? block + row(next) * stride_l : group.rows[r];
+    }
+    reducer.step(group, stride_d, n);
+  }
+  return chunk.end - chunk.begin;
 }
 
 }  // namespace lmk_ops::cpu::CPU_CAPABILITY

@@ -70,10 +70,13 @@ struct SumReducer {
     run = 1;
   }
 
-  void step(const scalar_t* const* rows, const int64_t* /*ls*/, int k, int64_t stride, int64_t /*n*/) {
+  void step(const RowGroup<scalar_t>& g, int64_t stride, int64_t width) {
+    const scalar_t* const* rows = g.rows;
+    const int k = g.k;
     int64_t i = 0;
     if (stride == 1) {
-      for (; i + Vec::size() <= n; i += Vec::size()) {
+      for (; i + Vec::size() <= width; i += Vec::size()) {
+        prefetch_ahead(g, i);
         Vec group = load_widened(rows[0] + i);
         if (k == kRowGroup) {
           static_assert(kRowGroup == 4);
@@ -86,7 +89,7 @@ struct SumReducer {
         (Vec::loadu(sum + i) + group).store(sum + i);
       }
     }
-    for (; i < n; ++i) {
+    for (; i < width; ++i) {
       const auto x = [&](int r) { return static_cast<acc>(rows[r][i * stride]); };
       acc group = x(0);
       if (k == kRowGroup) {
@@ -134,7 +137,10 @@ struct MaxReducer {
     }
   }
 
-  void step(const scalar_t* const* rows, const int64_t* ls, int k, int64_t stride, int64_t n) {
+  void step(const RowGroup<scalar_t>& g, int64_t stride, int64_t n) {
+    const scalar_t* const* rows = g.rows;
+    const int64_t* ls = g.ls;
+    const int k = g.k;
     int64_t i = 0;
     if (stride == 1) {
       Vec positions[kRowGroup];
@@ -142,6 +148,7 @@ struct MaxReducer {
         positions[r] = at::vec::cast<acc>(Vectorized<index_t>(static_cast<index_t>(ls[r])));
       }
       for (; i + Vec::size() <= n; i += Vec::size()) {
+        prefetch_ahead(g, i);
         Vec m = Vec::loadu(best + i);
         Vec w = Vec::loadu(where + i);
         for (int r = 0; r < k; ++r) {

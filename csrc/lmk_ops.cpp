@@ -9,24 +9,33 @@
 
 TORCH_LIBRARY(lmk_ops, m) {
   const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
+  // Packed batches (common/packed.h): with cu_seqlens [B + 1], hidden is [T, D], a mask or landmark mask is [T],
+  // landmark positions [B, K] count from each text's start, argmax holds positions from each text's start, and the
+  // backward ops return [T, D] (seq_len = T). max_seqlen, a host int, spares the device synchronisation that reads
+  // the longest text's length.
   // The pooling ops return (out, ..., pooled): with normalize, out is L2-normalised (as F.normalize) and pooled [B, D]
   // holds the vectors before normalising, unrounded in the accumulation type (float32, float64 for float64), for the
   // backward; without normalize, pooled is empty.
   // Their backward ops take the gradient of the pooled vector before normalising (autograd applies the rest); the
   // mean backward ops take it unrounded, in float32, with dtype naming hidden's dtype (default: grad_out's).
-  m.def("mean_pool(Tensor hidden, Tensor? mask=None, bool normalize=False) -> (Tensor, Tensor)", tags);
-  m.def("mean_pool_backward(Tensor grad_out, Tensor? mask, SymInt seq_len, ScalarType? dtype=None) -> Tensor", tags);
+  m.def("mean_pool(Tensor hidden, Tensor? mask=None, bool normalize=False, Tensor? cu_seqlens=None, SymInt? max_seqlen=None) "
+        "-> (Tensor, Tensor)", tags);
+  m.def("mean_pool_backward(Tensor grad_out, Tensor? mask, SymInt seq_len, ScalarType? dtype=None, Tensor? cu_seqlens=None) "
+        "-> Tensor", tags);
   // argmax is int32 [B, D], the first position of each maximum, -1 for an empty row.
-  m.def("max_pool(Tensor hidden, Tensor? mask=None, bool normalize=False) -> (Tensor, Tensor, Tensor)", tags);
-  m.def("max_pool_backward(Tensor grad_out, Tensor argmax, SymInt seq_len) -> Tensor", tags);
+  m.def("max_pool(Tensor hidden, Tensor? mask=None, bool normalize=False, Tensor? cu_seqlens=None, SymInt? max_seqlen=None) "
+        "-> (Tensor, Tensor, Tensor)", tags);
+  m.def("max_pool_backward(Tensor grad_out, Tensor argmax, SymInt seq_len, Tensor? cu_seqlens=None) -> Tensor", tags);
   // landmarks: a bool mask [B, L] or int64 positions [B, K] padded with -1 (a repeated position counts each time).
-  m.def("landmark_mean(Tensor hidden, Tensor landmarks, bool normalize=False) -> (Tensor, Tensor)", tags);
+  m.def("landmark_mean(Tensor hidden, Tensor landmarks, bool normalize=False, Tensor? cu_seqlens=None, "
+        "SymInt? max_seqlen=None) -> (Tensor, Tensor)", tags);
   m.def(
-      "landmark_mean_backward(Tensor grad_out, Tensor landmarks, SymInt seq_len, ScalarType? dtype=None) -> Tensor",
+      "landmark_mean_backward(Tensor grad_out, Tensor landmarks, SymInt seq_len, ScalarType? dtype=None, "
+      "Tensor? cu_seqlens=None) -> Tensor",
       tags);
   // positions: int64 [B, K] padded with -1; returns [B, K, D], zero rows for -1.
-  m.def("landmark_gather(Tensor hidden, Tensor positions) -> Tensor", tags);
-  m.def("landmark_gather_backward(Tensor grad_out, Tensor positions, SymInt seq_len) -> Tensor", tags);
+  m.def("landmark_gather(Tensor hidden, Tensor positions, Tensor? cu_seqlens=None) -> Tensor", tags);
+  m.def("landmark_gather_backward(Tensor grad_out, Tensor positions, SymInt seq_len, Tensor? cu_seqlens=None) -> Tensor", tags);
   // A [B, L] attention mask as a fresh bool tensor, its values checked as the pooling ops check them (0/1 for an
   // integer mask), with errors naming `op`: the helpers written in Python (first_token_pool, last_token_pool) call it
   // so that a bad value fails the same way eagerly and inside a compiled graph.

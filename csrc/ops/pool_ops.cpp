@@ -2,6 +2,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
@@ -10,15 +11,23 @@
 #include <tuple>
 
 #include "common/checks.h"
+#include "common/packed.h"
 #include "ops/kernels.h"
 #include "ops/pooling.h"
 
 namespace lmk_ops::ops {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> mean_pool(
-    const at::Tensor& hidden, const std::optional<at::Tensor>& mask, bool normalize) {
+std::tuple<at::Tensor, at::Tensor> mean_pool(const at::Tensor& hidden, const std::optional<at::Tensor>& mask,
+                                             bool normalize, const std::optional<at::Tensor>& cu_seqlens,
+                                             std::optional<int64_t> max_seqlen) {
   constexpr const char* op = "mean_pool";
+  if (cu_seqlens.has_value()) {
+    check_packed_hidden(op, hidden);
+    const PackedBatch packed = prepare_packed(op, hidden.size(0), hidden, *cu_seqlens, max_seqlen);
+    const at::Tensor valid = prepare_packed_mask(op, mask, packed, hidden);
+    return mean_of_rows(packed.batch_view(hidden), {at::Tensor(), packed.list_rows(valid)}, normalize);
+  }
   check_hidden(op, hidden);
   const RowSelection rows{prepare_mask(op, mask, hidden.size(0), hidden.size(1), hidden), at::Tensor()};
   return mean_of_rows(hidden, rows, normalize);
@@ -26,23 +35,29 @@ std::tuple<at::Tensor, at::Tensor> mean_pool(
 
 at::Tensor mean_pool_backward(
     const at::Tensor& grad, const std::optional<at::Tensor>& mask, int64_t seq_len,
-    std::optional<at::ScalarType> dtype) {
+    std::optional<at::ScalarType> dtype, const std::optional<at::Tensor>& cu_seqlens) {
   constexpr const char* op = "mean_pool_backward";
   check_pooled_grad(op, grad);
   check_grad_dtype(op, dtype);
   TORCH_CHECK(seq_len >= 0, "lmk_ops.", op, ": expected seq_len >= 0, got ", seq_len);
+  if (cu_seqlens.has_value()) {
+    const PackedBatch packed = prepare_packed_grad(op, grad, seq_len, *cu_seqlens);
+    const at::Tensor valid = prepare_packed_mask(op, mask, packed, grad, Values::kTrusted);
+    return packed_mean_backward(grad, packed, valid, valid.defined() ? packed.count(valid) : packed.lengths, dtype);
+  }
   const RowSelection rows{prepare_mask(op, mask, grad.size(0), seq_len, grad, Values::kTrusted), at::Tensor()};
   return mean_of_rows_backward(grad, rows, seq_len, dtype);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> max_pool(
-    const at::Tensor& hidden, const std::optional<at::Tensor>& mask, bool normalize) {
-  constexpr const char* op = "max_pool";
-  check_hidden(op, hidden);
+// The int32 limit of the saved argmax, checked for a text's (padded) or the packed batch's row count.
+void check_argmax_rows(const char* op, const char* name, int64_t rows) {
   TORCH_CHECK(
-      hidden.size(1) <= std::numeric_limits<int32_t>::max(), "lmk_ops.", op,
-      ": expected at most 2^31 - 1 tokens per text (positions are saved as int32), got L = ", hidden.size(1));
-  const RowSelection rows{prepare_mask(op, mask, hidden.size(0), hidden.size(1), hidden), at::Tensor()};
+      rows <= std::numeric_limits<int32_t>::max(), "lmk_ops.", op,
+      ": expected at most 2^31 - 1 tokens per text (positions are saved as int32), got ", name, " = ", rows);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> max_of_rows(const at::Tensor& hidden, const RowSelection& rows,
+                                                           bool normalize) {
   const int64_t batch = hidden.size(0), dim = hidden.size(2);
   at::Tensor out, argmax;
   if (is_empty_pool(hidden)) {
@@ -58,7 +73,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> max_pool(
   return {finished, argmax, pooled};
 }
 
-at::Tensor max_pool_backward(const at::Tensor& grad, const at::Tensor& argmax, int64_t seq_len) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> max_pool(const at::Tensor& hidden, const std::optional<at::Tensor>& mask,
+                                                        bool normalize, const std::optional<at::Tensor>& cu_seqlens,
+                                                        std::optional<int64_t> max_seqlen) {
+  constexpr const char* op = "max_pool";
+  if (cu_seqlens.has_value()) {
+    check_packed_hidden(op, hidden);
+    check_argmax_rows(op, "T", hidden.size(0));
+    const PackedBatch packed = prepare_packed(op, hidden.size(0), hidden, *cu_seqlens, max_seqlen);
+    const at::Tensor valid = prepare_packed_mask(op, mask, packed, hidden);
+    auto [out, rows, pooled] =
+        max_of_rows(packed.batch_view(hidden), {at::Tensor(), packed.list_rows(valid)}, normalize);
+    // The kernels found absolute rows of hidden; the op returns positions from each text's start.
+    return {out, packed.relative(rows.to(at::kLong)).to(at::kInt), pooled};
+  }
+  check_hidden(op, hidden);
+  check_argmax_rows(op, "L", hidden.size(1));
+  return max_of_rows(hidden, {prepare_mask(op, mask, hidden.size(0), hidden.size(1), hidden), at::Tensor()},
+                     normalize);
+}
+
+at::Tensor max_pool_backward(const at::Tensor& grad, const at::Tensor& argmax, int64_t seq_len,
+                             const std::optional<at::Tensor>& cu_seqlens) {
   constexpr const char* op = "max_pool_backward";
   check_pooled_grad(op, grad);
   TORCH_CHECK(
@@ -70,6 +106,15 @@ at::Tensor max_pool_backward(const at::Tensor& grad, const at::Tensor& argmax, i
       argmax.scalar_type(), " of shape ", shape_str(argmax.sizes()));
   TORCH_CHECK(seq_len >= 0, "lmk_ops.", op, ": expected seq_len >= 0, got ", seq_len);
   // argmax is what max_pool produced, so its values are trusted (the kernels only compare them with row indices).
+  if (cu_seqlens.has_value()) {
+    const PackedBatch packed = prepare_packed_grad(op, grad, seq_len, *cu_seqlens);
+    // Each text's maxima go to rows of its own, so no two texts write one element; a text with none writes into a
+    // spare last row, dropped after.
+    const at::Tensor rows = packed.absolute(argmax.to(at::kLong));
+    at::Tensor grad_hidden = at::zeros({seq_len + 1, grad.size(1)}, grad.options());
+    grad_hidden.scatter_(0, at::where(rows.ge(0), rows, seq_len), grad);
+    return grad_hidden.narrow(0, 0, seq_len);
+  }
   at::Tensor grad_hidden = at::empty({grad.size(0), seq_len, grad.size(1)}, grad.options());
   if (grad_hidden.numel() == 0) {
     return grad_hidden;

@@ -4,6 +4,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/linalg_vector_norm.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 
 #include "ops/kernels.h"
@@ -58,6 +60,29 @@ at::Tensor mean_of_rows_backward(
   const at::Tensor scaled = grad.to(at::toOpMathType(out_type)).div(counts.clamp_min(1)).contiguous();
   kernels_for(grad).mean_backward(scaled, rows, grad_hidden);
   return grad_hidden;
+}
+
+at::Tensor packed_mean_backward(const at::Tensor& grad, const PackedBatch& packed, const at::Tensor& times,
+                                const at::Tensor& count, std::optional<at::ScalarType> dtype) {
+  const at::ScalarType out_type = dtype.value_or(grad.scalar_type());
+  const at::Tensor scaled = grad.to(at::toOpMathType(out_type)).div(count.clamp_min(1).unsqueeze(1));
+  at::Tensor rows = scaled.index_select(0, packed.text_of_rows());
+  if (times.defined() && times.scalar_type() != at::kBool) {
+    rows.mul_(times.unsqueeze(1));  // a row listed n times: grad * n / count, rounded once, as the padded kernels
+  }
+  at::Tensor grad_hidden = rows.to(out_type);
+  if (times.defined()) {
+    grad_hidden.masked_fill_(times.eq(0).unsqueeze(1), 0);
+  }
+  return grad_hidden;
+}
+
+at::Tensor times_listed(const at::Tensor& positions, int64_t tokens) {
+  // Entries of -1 count into a spare last row, dropped after.
+  const at::Tensor row = at::where(positions.ge(0), positions, tokens).flatten();
+  at::Tensor times = at::zeros({tokens + 1}, positions.options());
+  times.scatter_add_(0, row, at::ones_like(row));
+  return times.narrow(0, 0, tokens);
 }
 
 }  // namespace lmk_ops::ops

@@ -5,6 +5,7 @@
 
 #include <tuple>
 
+#include "common/packed.h"
 #include "common/row_selection.h"
 
 namespace lmk_ops::ops {
@@ -24,5 +25,14 @@ std::tuple<at::Tensor, at::Tensor> mean_of_rows(const at::Tensor& hidden, const 
 // row zero. [B, seq_len, D] in dtype (grad's dtype when not given), rounded once from the accumulation type.
 at::Tensor mean_of_rows_backward(
     const at::Tensor& grad, const RowSelection& rows, int64_t seq_len, std::optional<at::ScalarType> dtype);
+
+// The gradient of a packed batch's mean, [T, D] in dtype: row t of text b gets grad[b] * times[t] / count[b]
+// (times undefined: every row once; bool or int64 [T]: how often row t is selected, counted in count [B]), computed
+// and rounded exactly as mean_of_rows_backward does for the padded batch, so that a text gets the same bits.
+at::Tensor packed_mean_backward(const at::Tensor& grad, const PackedBatch& packed, const at::Tensor& times,
+                                const at::Tensor& count, std::optional<at::ScalarType> dtype);
+
+// How often each row of a packed batch is listed in absolute positions [B, K] (-1 padded): int64 [T].
+at::Tensor times_listed(const at::Tensor& positions, int64_t tokens);
 
 }  // namespace lmk_ops::ops

@@ -38,101 +38,111 @@ def _save_normalized(ctx, normalize, pooled, *tensors):
 
 
 # mean_pool: d hidden[b, l] = grad[b] * mask[b, l] / count[b]. Saves only the mask (no activations).
+def _seq_len(hidden, cu_seqlens):
+    """The row count a backward op restores: L for a padded batch, T for a packed one."""
+    return hidden.shape[0] if cu_seqlens is not None else hidden.shape[1]
+
+
 def _mean_pool_setup(ctx, inputs, output):
-    hidden, mask, normalize = inputs
-    ctx.seq_len = hidden.shape[1]
-    _save_normalized(ctx, normalize, output[1], mask)
+    hidden, mask, normalize, cu_seqlens, _ = inputs
+    ctx.seq_len = _seq_len(hidden, cu_seqlens)
+    _save_normalized(ctx, normalize, output[1], mask, cu_seqlens)
 
 
 def _mean_pool_backward(ctx, grad, grad_pooled):
-    mask = ctx.saved_tensors[0]
-    return ops.mean_pool_backward(_pooled_grad(ctx, grad, grad_pooled), mask, ctx.seq_len, grad.dtype), None, None
+    mask, cu_seqlens = ctx.saved_tensors[:2]
+    pooled_grad = _pooled_grad(ctx, grad, grad_pooled)
+    return ops.mean_pool_backward(pooled_grad, mask, ctx.seq_len, grad.dtype, cu_seqlens), None, None, None, None
 
 
 # mean_pool_backward is linear in grad_out, and its adjoint is mean pooling itself.
 # (With a dtype, the adjoint's result is cast back to grad_out's dtype by autograd.)
 def _mean_pool_backward_setup(ctx, inputs, output):
-    _, mask, _, _ = inputs
-    ctx.save_for_backward(mask)
+    _, mask, _, _, cu_seqlens = inputs
+    ctx.save_for_backward(mask, cu_seqlens)
 
 
 def _mean_pool_backward_backward(ctx, grad_grad_hidden):
-    (mask,) = ctx.saved_tensors
-    return ops.mean_pool(grad_grad_hidden, mask)[0], None, None, None
+    mask, cu_seqlens = ctx.saved_tensors
+    return ops.mean_pool(grad_grad_hidden, mask, False, cu_seqlens)[0], None, None, None, None
 
 
 # max_pool: the gradient goes to the saved argmax position (int32, -1 for an empty row).
 def _max_pool_setup(ctx, inputs, output):
-    hidden, _, normalize = inputs
+    hidden, _, normalize, cu_seqlens, _ = inputs
     _, argmax, pooled = output
-    ctx.seq_len = hidden.shape[1]
+    ctx.seq_len = _seq_len(hidden, cu_seqlens)
     ctx.mark_non_differentiable(argmax)
-    _save_normalized(ctx, normalize, pooled, argmax)
+    _save_normalized(ctx, normalize, pooled, argmax, cu_seqlens)
 
 
 def _max_pool_backward(ctx, grad, _grad_argmax, grad_pooled):
-    argmax = ctx.saved_tensors[0]
+    argmax, cu_seqlens = ctx.saved_tensors[:2]
     pooled_grad = _pooled_grad(ctx, grad, grad_pooled).to(grad.dtype)  # moved as is: rounding first is exact
-    return ops.max_pool_backward(pooled_grad, argmax, ctx.seq_len), None, None
+    return ops.max_pool_backward(pooled_grad, argmax, ctx.seq_len, cu_seqlens), None, None, None, None
 
 
 # max_pool_backward scatters grad_out to the argmax rows; its adjoint gathers from them.
 def _max_pool_backward_setup(ctx, inputs, output):
-    _, argmax, _ = inputs
-    ctx.save_for_backward(argmax)
+    _, argmax, _, cu_seqlens = inputs
+    ctx.save_for_backward(argmax, cu_seqlens)
 
 
 def _max_pool_backward_backward(ctx, grad_grad_hidden):
-    (argmax,) = ctx.saved_tensors
-    index = argmax.clamp_min(0).long().unsqueeze(1)
-    gathered = grad_grad_hidden.gather(1, index).squeeze(1).masked_fill(argmax < 0, 0)
-    return gathered, None, None
+    argmax, cu_seqlens = ctx.saved_tensors
+    index = argmax.clamp_min(0).long()
+    if cu_seqlens is not None:  # rows of the packed [T, D], from each text's start
+        gathered = grad_grad_hidden.gather(0, index + cu_seqlens[:-1].long().unsqueeze(1))
+    else:
+        gathered = grad_grad_hidden.gather(1, index.unsqueeze(1)).squeeze(1)
+    return gathered.masked_fill(argmax < 0, 0), None, None, None
 
 
 # landmark_mean: the mean over the landmark rows; as mean_pool, with the landmarks in place of the mask.
 def _landmark_mean_setup(ctx, inputs, output):
-    hidden, landmarks, normalize = inputs
-    ctx.seq_len = hidden.shape[1]
-    _save_normalized(ctx, normalize, output[1], landmarks)
+    hidden, landmarks, normalize, cu_seqlens, _ = inputs
+    ctx.seq_len = _seq_len(hidden, cu_seqlens)
+    _save_normalized(ctx, normalize, output[1], landmarks, cu_seqlens)
 
 
 def _landmark_mean_backward(ctx, grad, grad_pooled):
-    landmarks = ctx.saved_tensors[0]
+    landmarks, cu_seqlens = ctx.saved_tensors[:2]
     pooled_grad = _pooled_grad(ctx, grad, grad_pooled)
-    return ops.landmark_mean_backward(pooled_grad, landmarks, ctx.seq_len, grad.dtype), None, None
+    grad_hidden = ops.landmark_mean_backward(pooled_grad, landmarks, ctx.seq_len, grad.dtype, cu_seqlens)
+    return grad_hidden, None, None, None, None
 
 
 def _landmark_mean_backward_setup(ctx, inputs, output):
-    _, landmarks, _, _ = inputs
-    ctx.save_for_backward(landmarks)
+    _, landmarks, _, _, cu_seqlens = inputs
+    ctx.save_for_backward(landmarks, cu_seqlens)
 
 
 def _landmark_mean_backward_backward(ctx, grad_grad_hidden):
-    (landmarks,) = ctx.saved_tensors
-    return ops.landmark_mean(grad_grad_hidden, landmarks)[0], None, None, None
+    landmarks, cu_seqlens = ctx.saved_tensors
+    return ops.landmark_mean(grad_grad_hidden, landmarks, False, cu_seqlens)[0], None, None, None, None
 
 
 # landmark_gather copies rows out; its backward adds them back (summing repeated positions); each is the
 # other's adjoint.
 def _landmark_gather_setup(ctx, inputs, output):
-    hidden, positions = inputs
-    ctx.seq_len = hidden.shape[1]
-    ctx.save_for_backward(positions)
+    hidden, positions, cu_seqlens = inputs
+    ctx.seq_len = _seq_len(hidden, cu_seqlens)
+    ctx.save_for_backward(positions, cu_seqlens)
 
 
 def _landmark_gather_backward(ctx, grad):
-    (positions,) = ctx.saved_tensors
-    return ops.landmark_gather_backward(grad, positions, ctx.seq_len), None
+    positions, cu_seqlens = ctx.saved_tensors
+    return ops.landmark_gather_backward(grad, positions, ctx.seq_len, cu_seqlens), None, None
 
 
 def _landmark_gather_backward_setup(ctx, inputs, output):
-    _, positions, _ = inputs
-    ctx.save_for_backward(positions)
+    _, positions, _, cu_seqlens = inputs
+    ctx.save_for_backward(positions, cu_seqlens)
 
 
 def _landmark_gather_backward_backward(ctx, grad_grad_hidden):
-    (positions,) = ctx.saved_tensors
-    return ops.landmark_gather(grad_grad_hidden, positions), None, None
+    positions, cu_seqlens = ctx.saved_tensors
+    return ops.landmark_gather(grad_grad_hidden, positions, cu_seqlens), None, None, None
 
 
 # attention_pool: the backward recomputes the probabilities from hidden, query and the saved softmax statistics

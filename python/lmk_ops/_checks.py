@@ -156,3 +156,49 @@ def check_float_tensor(op: str, name: str, t: torch.Tensor, shape, like: torch.T
     if t.dtype not in _FLOATS or list(t.shape) != list(shape):
         fail(op, f"expected {name} of a floating dtype and shape [{', '.join(str(s) for s in shape)}], got "
              f"{dtype_name(t.dtype)} of shape {_shape(t)}")
+
+
+def check_packed(op: str, hidden: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen=None) -> int:
+    """hidden [T, D] with cu_seqlens [B + 1] (int32/int64, hidden's device); returns B. Values are checked in C++."""
+    if hidden.dim() != 2:
+        fail(op, f"expected packed hidden of shape [T, D] (2-D, with cu_seqlens), got a {hidden.dim()}-D tensor of "
+                 f"shape {_shape(hidden)}")
+    if hidden.dtype not in _FLOATS:
+        fail(op, f"expected hidden of dtype float16, bfloat16, float32 or float64, got {dtype_name(hidden.dtype)}")
+    check_offsets(op, cu_seqlens, hidden)
+    if max_seqlen is not None and not isinstance(max_seqlen, torch.SymInt) and max_seqlen < 0:
+        fail(op, f"expected max_seqlen >= 0, got {max_seqlen}")
+    return cu_seqlens.shape[0] - 1
+
+
+def check_offsets(op: str, cu_seqlens: torch.Tensor, like: torch.Tensor) -> None:
+    if cu_seqlens.device != like.device:
+        fail(op, f"expected cu_seqlens on the same device as hidden ({like.device}), got {cu_seqlens.device}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        fail(op, f"expected cu_seqlens of dtype int32 or int64, got {dtype_name(cu_seqlens.dtype)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        fail(op, f"expected cu_seqlens of shape [B + 1] (1-D, at least one entry), got {_shape(cu_seqlens)}")
+
+
+def check_packed_mask(op: str, mask: torch.Tensor | None, tokens, like: torch.Tensor) -> None:
+    if mask is None:
+        return
+    if mask.device != like.device:
+        fail(op, f"expected mask on the same device as hidden ({like.device}), got {mask.device}")
+    if mask.dim() != 1 or mask.shape[0] != tokens:
+        fail(op, f"expected a packed mask of shape [T] = [{tokens}], got {_shape(mask)}")
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        fail(op, f"expected mask of dtype bool or an integer dtype holding 0/1, got {dtype_name(mask.dtype)}")
+
+
+def check_packed_landmarks(op: str, landmarks: torch.Tensor, batch, tokens, like: torch.Tensor) -> None:
+    if landmarks.dtype not in (torch.bool, torch.int64):
+        fail(op, "expected packed landmarks as a bool mask [T] or int64 positions [B, K] padded with -1, got "
+             f"{dtype_name(landmarks.dtype)}")
+    if landmarks.dtype == torch.int64:
+        check_positions(op, landmarks, batch, like)
+        return
+    if landmarks.device != like.device:
+        fail(op, f"expected landmarks on the same device as hidden ({like.device}), got {landmarks.device}")
+    if landmarks.dim() != 1 or landmarks.shape[0] != tokens:
+        fail(op, f"expected a packed landmark mask of shape [T] = [{tokens}], got {_shape(landmarks)}")

@@ -6,84 +6,123 @@ import torch
 
 from ._checks import accumulation_dtype, check_float_tensor, check_grad, check_grad_dtype, check_hidden
 from ._checks import check_landmarks, check_mask, check_pooled_grad, check_positions, check_query, check_scale
-from ._checks import dtype_name, fail
+from ._checks import check_offsets, check_packed, check_packed_landmarks, check_packed_mask, dtype_name, fail
 
 
-def _unnormalized(hidden, normalize: bool):
+def _unnormalized(hidden, normalize: bool, batch=None):
     """The second output: [B, D] in the accumulation type with normalize, else empty."""
-    shape = (hidden.shape[0], hidden.shape[2]) if normalize else (0,)
+    shape = (hidden.shape[0] if batch is None else batch, hidden.shape[-1]) if normalize else (0,)
     return hidden.new_empty(shape, dtype=accumulation_dtype(hidden.dtype))
 
 
-def _pooled(hidden):
-    return hidden.new_empty((hidden.shape[0], hidden.shape[2]))
+def _pooled(hidden, batch=None):
+    return hidden.new_empty((hidden.shape[0] if batch is None else batch, hidden.shape[-1]))
 
 
-def _unpooled(grad_out, seq_len, dtype=None):
-    return grad_out.new_empty((grad_out.shape[0], seq_len, grad_out.shape[-1]), dtype=dtype or grad_out.dtype)
+def _unpooled(grad_out, seq_len, dtype=None, cu_seqlens=None):
+    """The gradient of hidden: [B, L, D], or [T, D] for a packed batch (seq_len = T)."""
+    shape = (seq_len, grad_out.shape[-1]) if cu_seqlens is not None else (grad_out.shape[0], seq_len, grad_out.shape[-1])
+    return grad_out.new_empty(shape, dtype=dtype or grad_out.dtype)
+
+
+def _check_packed_grad(op, grad_out, cu_seqlens):
+    if cu_seqlens is None:
+        return
+    check_offsets(op, cu_seqlens, grad_out)
+    if grad_out.shape[0] != cu_seqlens.shape[0] - 1:
+        fail(op, f"expected grad_out with B = {cu_seqlens.shape[0] - 1} texts (as cu_seqlens), got shape "
+                 f"[{', '.join(str(s) for s in grad_out.shape)}]")
 
 
 @torch.library.register_fake("lmk_ops::mean_pool")
-def _mean_pool_fake(hidden, mask=None, normalize=False):
+def _mean_pool_fake(hidden, mask=None, normalize=False, cu_seqlens=None, max_seqlen=None):
+    if cu_seqlens is not None:
+        batch = check_packed("mean_pool", hidden, cu_seqlens, max_seqlen)
+        check_packed_mask("mean_pool", mask, hidden.shape[0], hidden)
+        return _pooled(hidden, batch), _unnormalized(hidden, normalize, batch)
     check_hidden("mean_pool", hidden)
     check_mask("mean_pool", mask, hidden.shape[0], hidden.shape[1], hidden)
     return _pooled(hidden), _unnormalized(hidden, normalize)
 
 
 @torch.library.register_fake("lmk_ops::mean_pool_backward")
-def _mean_pool_backward_fake(grad_out, mask, seq_len, dtype=None):
+def _mean_pool_backward_fake(grad_out, mask, seq_len, dtype=None, cu_seqlens=None):
     check_pooled_grad("mean_pool_backward", grad_out)
     check_grad_dtype("mean_pool_backward", dtype)
-    check_mask("mean_pool_backward", mask, grad_out.shape[0], seq_len, grad_out)
-    return _unpooled(grad_out, seq_len, dtype)
+    _check_packed_grad("mean_pool_backward", grad_out, cu_seqlens)
+    if cu_seqlens is not None:
+        check_packed_mask("mean_pool_backward", mask, seq_len, grad_out)
+    else:
+        check_mask("mean_pool_backward", mask, grad_out.shape[0], seq_len, grad_out)
+    return _unpooled(grad_out, seq_len, dtype, cu_seqlens)
 
 
 @torch.library.register_fake("lmk_ops::max_pool")
-def _max_pool_fake(hidden, mask=None, normalize=False):
+def _max_pool_fake(hidden, mask=None, normalize=False, cu_seqlens=None, max_seqlen=None):
+    if cu_seqlens is not None:
+        batch = check_packed("max_pool", hidden, cu_seqlens, max_seqlen)
+        check_packed_mask("max_pool", mask, hidden.shape[0], hidden)
+        pooled = _pooled(hidden, batch)
+        return pooled, pooled.to(torch.int32), _unnormalized(hidden, normalize, batch)
     check_hidden("max_pool", hidden)
     check_mask("max_pool", mask, hidden.shape[0], hidden.shape[1], hidden)
     return _pooled(hidden), _pooled(hidden).to(torch.int32), _unnormalized(hidden, normalize)
 
 
 @torch.library.register_fake("lmk_ops::max_pool_backward")
-def _max_pool_backward_fake(grad_out, argmax, seq_len):
+def _max_pool_backward_fake(grad_out, argmax, seq_len, cu_seqlens=None):
     check_pooled_grad("max_pool_backward", grad_out)
+    _check_packed_grad("max_pool_backward", grad_out, cu_seqlens)
     if argmax.dtype != torch.int32 or argmax.shape != grad_out.shape:
         fail("max_pool_backward", f"expected argmax of dtype int32 and shape {list(grad_out.shape)} "
              f"(as max_pool returns), got {dtype_name(argmax.dtype)} of shape {list(argmax.shape)}")
-    return _unpooled(grad_out, seq_len)
+    return _unpooled(grad_out, seq_len, cu_seqlens=cu_seqlens)
 
 
 @torch.library.register_fake("lmk_ops::landmark_mean")
-def _landmark_mean_fake(hidden, landmarks, normalize=False):
+def _landmark_mean_fake(hidden, landmarks, normalize=False, cu_seqlens=None, max_seqlen=None):
+    if cu_seqlens is not None:
+        batch = check_packed("landmark_mean", hidden, cu_seqlens, max_seqlen)
+        check_packed_landmarks("landmark_mean", landmarks, batch, hidden.shape[0], hidden)
+        return _pooled(hidden, batch), _unnormalized(hidden, normalize, batch)
     check_hidden("landmark_mean", hidden)
     check_landmarks("landmark_mean", landmarks, hidden.shape[0], hidden.shape[1], hidden)
     return _pooled(hidden), _unnormalized(hidden, normalize)
 
 
 @torch.library.register_fake("lmk_ops::landmark_mean_backward")
-def _landmark_mean_backward_fake(grad_out, landmarks, seq_len, dtype=None):
-    check_pooled_grad("landmark_mean_backward", grad_out)
-    check_grad_dtype("landmark_mean_backward", dtype)
-    check_landmarks("landmark_mean_backward", landmarks, grad_out.shape[0], seq_len, grad_out)
-    return _unpooled(grad_out, seq_len, dtype)
+def _landmark_mean_backward_fake(grad_out, landmarks, seq_len, dtype=None, cu_seqlens=None):
+    op = "landmark_mean_backward"
+    check_pooled_grad(op, grad_out)
+    check_grad_dtype(op, dtype)
+    _check_packed_grad(op, grad_out, cu_seqlens)
+    if cu_seqlens is not None:
+        check_packed_landmarks(op, landmarks, grad_out.shape[0], seq_len, grad_out)
+    else:
+        check_landmarks(op, landmarks, grad_out.shape[0], seq_len, grad_out)
+    return _unpooled(grad_out, seq_len, dtype, cu_seqlens)
 
 
 @torch.library.register_fake("lmk_ops::landmark_gather")
-def _landmark_gather_fake(hidden, positions):
-    check_hidden("landmark_gather", hidden)
-    check_positions("landmark_gather", positions, hidden.shape[0], hidden)
-    return hidden.new_empty((hidden.shape[0], positions.shape[1], hidden.shape[2]))
+def _landmark_gather_fake(hidden, positions, cu_seqlens=None):
+    if cu_seqlens is not None:
+        batch = check_packed("landmark_gather", hidden, cu_seqlens)
+    else:
+        check_hidden("landmark_gather", hidden)
+        batch = hidden.shape[0]
+    check_positions("landmark_gather", positions, batch, hidden)
+    return hidden.new_empty((batch, positions.shape[1], hidden.shape[-1]))
 
 
 @torch.library.register_fake("lmk_ops::landmark_gather_backward")
-def _landmark_gather_backward_fake(grad_out, positions, seq_len):
+def _landmark_gather_backward_fake(grad_out, positions, seq_len, cu_seqlens=None):
     check_grad("landmark_gather_backward", grad_out, 3, "[B, K, D]")
+    _check_packed_grad("landmark_gather_backward", grad_out, cu_seqlens)
     check_positions("landmark_gather_backward", positions, grad_out.shape[0], grad_out)
     if positions.shape[1] != grad_out.shape[1]:
         fail("landmark_gather_backward", f"expected grad_out of shape [B, K, D] with K = {positions.shape[1]} "
              f"(as positions), got [{', '.join(str(s) for s in grad_out.shape)}]")
-    return _unpooled(grad_out, seq_len)
+    return _unpooled(grad_out, seq_len, cu_seqlens=cu_seqlens)
 
 
 @torch.library.register_fake("lmk_ops::valid_mask")

@@ -7,19 +7,27 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ._checks import check_call, check_hidden, check_landmarks, check_mask, fail
+from ._checks import check_call, check_hidden, check_landmarks, check_mask, check_packed, check_packed_landmarks
+from ._checks import check_packed_mask, fail
 
 __all__ = [
     "attention_pool", "first_token_pool", "landmark_gather", "landmark_mean", "landmark_positions", "last_token_pool",
     "max_pool", "mean_pool",
 ]
 
+_PACKED_DOC = """cu_seqlens: for a packed (variable-length) batch: int32 or int64 ``[B + 1]`` offsets on hidden's
+            device (first 0, last T, non-decreasing; texts may be empty), as flash-attention's varlen kernels and
+            transformers' ``DataCollatorWithFlattening`` give them. hidden is then ``[T, D]`` (any strides), a mask
+            ``[T]``, and each text pools to the same bits as padded or alone.
+        max_seqlen: with cu_seqlens, the longest text's length if known (a host int): spares a device sync."""
+
 _NORMALIZE_DOC = """normalize: L2-normalise each output vector inside the op (forward and backward), as
             ``torch.nn.functional.normalize(out, dim=-1)`` would, but from the float32 result before it is rounded to
             hidden's dtype. A zero vector stays zero."""
 
 
-def mean_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False) -> Tensor:
+def mean_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False,
+              cu_seqlens: Tensor | None = None, max_seqlen: int | None = None) -> Tensor:
     """Mask-aware mean of the token states of each text.
 
     Args:
@@ -27,6 +35,7 @@ def mean_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = F
         mask: ``[B, L]`` bool, or integer holding 0/1 (a Hugging Face ``attention_mask``), on hidden's device;
             ``None`` means every token is valid.
         {normalize}
+        {packed}
 
     Returns:
         ``[B, D]`` in hidden's dtype: the mean of the valid rows, accumulated in float32 (float64 for float64).
@@ -36,18 +45,20 @@ def mean_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = F
         RuntimeError: starting ``lmk_ops.mean_pool:`` for hidden that is not 3-D floating point, a mask of
         another shape, device or dtype (float), or mask values other than 0/1.
     """
-    check_call("mean_pool", hidden, mask)
-    return torch.ops.lmk_ops.mean_pool(hidden, mask, normalize)[0]
+    check_call("mean_pool", hidden, mask, cu_seqlens)
+    return torch.ops.lmk_ops.mean_pool(hidden, mask, normalize, cu_seqlens, max_seqlen)[0]
 
 
-def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False, return_indices: bool = False):
+def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False, return_indices: bool = False,
+             cu_seqlens: Tensor | None = None, max_seqlen: int | None = None):
     """Mask-aware element-wise maximum over the token states of each text.
 
     Args:
         hidden: ``[B, L, D]`` float16, bfloat16, float32 or float64, any strides.
         mask: ``[B, L]`` bool or integer 0/1, ``None`` meaning every token is valid.
         {normalize}
-        return_indices: also return the position each maximum came from.
+        return_indices: also return the position each maximum came from (counted from the text's start).
+        {packed}
 
     Returns:
         ``[B, D]`` in hidden's dtype; with ``return_indices``, also an int32 ``[B, D]`` tensor of positions.
@@ -58,12 +69,13 @@ def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = Fa
     Raises:
         RuntimeError: starting ``lmk_ops.max_pool:``, as for :func:`mean_pool`.
     """
-    check_call("max_pool", hidden, mask)
-    values, argmax, _ = torch.ops.lmk_ops.max_pool(hidden, mask, normalize)
+    check_call("max_pool", hidden, mask, cu_seqlens)
+    values, argmax, _ = torch.ops.lmk_ops.max_pool(hidden, mask, normalize, cu_seqlens, max_seqlen)
     return (values, argmax) if return_indices else values
 
 
-def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False) -> Tensor:
+def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False, cu_seqlens: Tensor | None = None,
+                  max_seqlen: int | None = None) -> Tensor:
     """LMK pooling: the mean of the landmark tokens' states only (arXiv 2601.21525).
 
     Only the landmark rows are read, so the cost grows with the number of landmarks, not with L. The backward
@@ -75,8 +87,10 @@ def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False)
             returns), or int64 positions ``[B, K]`` padded with -1 (``-1`` entries may appear anywhere and are
             skipped). A position listed twice counts twice: the result is the mean of the listed rows, exactly
             the mean of what :func:`landmark_gather` returns for the valid entries. An integer 0/1 mask is *not*
-            accepted as a mask (it would read as positions): pass ``mask.bool()``.
+            accepted as a mask (it would read as positions): pass ``mask.bool()``. Packed: a bool ``[T]`` mask, or
+            positions ``[B, K]`` counted from each text's start.
         {normalize}
+        {packed}
 
     Returns:
         ``[B, D]`` in hidden's dtype, accumulated in float32 (float64 for float64). A text without landmarks gives
@@ -87,8 +101,8 @@ def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False)
         device, or a position outside ``[0, L)`` other than -1 (the message names the row and the entry; nothing
         outside hidden is ever read).
     """
-    check_call("landmark_mean", hidden, landmarks)
-    return torch.ops.lmk_ops.landmark_mean(hidden, landmarks, normalize)[0]
+    check_call("landmark_mean", hidden, landmarks, cu_seqlens)
+    return torch.ops.lmk_ops.landmark_mean(hidden, landmarks, normalize, cu_seqlens, max_seqlen)[0]
 
 
 def _values_known(t: Tensor) -> bool:
@@ -96,23 +110,48 @@ def _values_known(t: Tensor) -> bool:
     return not (torch.compiler.is_compiling() or t.device.type == "meta" or isinstance(t, FakeTensor))
 
 
-def landmark_positions(landmark_mask: Tensor, num_landmarks: int | None = None) -> Tensor:
+def _packed_texts(cu_seqlens: Tensor, tokens: int):
+    """(starts [B], lengths [B], text of each row [T]) of a packed batch, int64, with no device sync."""
+    offsets = cu_seqlens.long()
+    starts, lengths = offsets[:-1], offsets[1:] - offsets[:-1]
+    text = torch.arange(starts.shape[0], device=offsets.device).repeat_interleave(lengths, output_size=tokens)
+    return starts, lengths, text
+
+
+def landmark_positions(landmark_mask: Tensor, num_landmarks: int | None = None, *,
+                       cu_seqlens: Tensor | None = None) -> Tensor:
     """The positions of the True entries of a bool ``[B, L]`` mask, in order, as int64 ``[B, K]`` padded with -1.
 
     ``K`` is ``num_landmarks`` when given (a row with more landmarks is an error, checked where the values can be
     read: not inside a compiled graph, where the extra landmarks are dropped), else the largest count in the batch.
     With ``num_landmarks`` given this traces under ``torch.compile(fullgraph=True)`` and runs on meta tensors;
     without it the output shape depends on the data, which needs the values.
+
+    With ``cu_seqlens`` (a packed batch), the mask is ``[T]`` and positions count from each text's start.
     """
     op = "landmark_positions"
-    if not isinstance(landmark_mask, Tensor) or landmark_mask.dtype != torch.bool or landmark_mask.dim() != 2:
-        fail(op, f"expected a bool landmark mask of shape [B, L], got {getattr(landmark_mask, 'dtype', None)} of "
-                 f"shape {list(getattr(landmark_mask, 'shape', []))}")
+    rank_dims = 1 if cu_seqlens is not None else 2
+    if not isinstance(landmark_mask, Tensor) or landmark_mask.dtype != torch.bool or landmark_mask.dim() != rank_dims:
+        fail(op, f"expected a bool landmark mask of shape {'[T]' if rank_dims == 1 else '[B, L]'}, got "
+                 f"{getattr(landmark_mask, 'dtype', None)} of shape {list(getattr(landmark_mask, 'shape', []))}")
     if num_landmarks is not None and (isinstance(num_landmarks, bool) or not isinstance(num_landmarks, int)
                                       or num_landmarks < 0):
         fail(op, f"expected num_landmarks as an int >= 0 (or None), got {num_landmarks!r}")
-    batch, seq_len = landmark_mask.shape
-    counts = landmark_mask.sum(1)
+    device = landmark_mask.device
+    if cu_seqlens is not None:
+        # Each token's text and its rank among the text's landmarks, from one running count.
+        starts, lengths, text = _packed_texts(cu_seqlens, landmark_mask.shape[0])
+        before = torch.cat([landmark_mask.new_zeros(1, dtype=torch.long), landmark_mask.long().cumsum(0)])
+        counts = before[cu_seqlens[1:].long()] - before[starts]
+        rank = before[:-1] - before[starts][text]
+        offset = torch.arange(landmark_mask.shape[0], device=device) - starts[text]
+        batch = starts.shape[0]
+    else:
+        batch, seq_len = landmark_mask.shape
+        counts = landmark_mask.sum(1)
+        rank = landmark_mask.cumsum(1) - 1
+        text = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq_len)
+        offset = torch.arange(seq_len, device=device).expand(batch, seq_len)
     if num_landmarks is None or _values_known(landmark_mask):
         if not _values_known(landmark_mask):
             fail(op, "expected num_landmarks where the mask's values cannot be read (meta or fake tensors, "
@@ -123,22 +162,24 @@ def landmark_positions(landmark_mask: Tensor, num_landmarks: int | None = None) 
         elif most > num_landmarks:
             fail(op, f"expected at most num_landmarks = {num_landmarks} landmarks per row, got {most} in row "
                      f"{int(counts.argmax())}")
-    # Each landmark goes to column (its rank in the row); other tokens, and landmarks past K, to a spare last column,
+    # Each landmark goes to (its text, its rank); other tokens, and landmarks past K, to a spare last column,
     # dropped after.
-    rank = landmark_mask.cumsum(1) - 1
     column = torch.where(landmark_mask & (rank < num_landmarks), rank, num_landmarks)
-    positions = torch.full((batch, num_landmarks + 1), -1, dtype=torch.long, device=landmark_mask.device)
-    positions.scatter_(1, column, torch.arange(seq_len, device=landmark_mask.device).expand(batch, seq_len))
-    return positions[:, :num_landmarks].clone()
+    positions = torch.full((batch * (num_landmarks + 1),), -1, dtype=torch.long, device=device)
+    positions.scatter_(0, (text * (num_landmarks + 1) + column).flatten(), offset.flatten())
+    return positions.view(batch, num_landmarks + 1)[:, :num_landmarks].clone()
 
 
-def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | None = None) -> tuple[Tensor, Tensor]:
+def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | None = None,
+                    cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One vector per landmark: chunk or sentence embeddings (as in BGE Landmark Embedding, arXiv 2402.11573).
 
     Args:
-        hidden: ``[B, L, D]`` float16, bfloat16, float32 or float64, any strides.
-        landmarks: int64 positions ``[B, K]`` padded with -1, or a bool mask ``[B, L]`` (turned into positions
-            by :func:`landmark_positions`, with ``num_landmarks``).
+        hidden: ``[B, L, D]`` float16, bfloat16, float32 or float64, any strides (``[T, D]`` with cu_seqlens).
+        landmarks: int64 positions ``[B, K]`` padded with -1, or a bool mask ``[B, L]`` (``[T]`` packed; turned
+            into positions by :func:`landmark_positions`, with ``num_landmarks``). Packed positions count from
+            each text's start.
+        cu_seqlens: a packed batch's offsets, as for :func:`mean_pool`.
 
     Returns:
         ``(vectors, valid)``: ``[B, K, D]`` in hidden's dtype, with zero rows where there is no landmark, and the
@@ -148,56 +189,103 @@ def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | N
     Raises:
         RuntimeError: starting ``lmk_ops.landmark_gather:``, as for :func:`landmark_mean`.
     """
-    check_call("landmark_gather", hidden, landmarks)
-    check_hidden("landmark_gather", hidden)
-    if isinstance(landmarks, Tensor) and landmarks.dtype == torch.bool:
-        check_landmarks("landmark_gather", landmarks, hidden.shape[0], hidden.shape[1], hidden)
-        landmarks = landmark_positions(landmarks, num_landmarks)
-    return torch.ops.lmk_ops.landmark_gather(hidden, landmarks), landmarks >= 0
+    op = "landmark_gather"
+    check_call(op, hidden, landmarks, cu_seqlens)
+    if cu_seqlens is not None:
+        batch = check_packed(op, hidden, cu_seqlens)
+        if isinstance(landmarks, Tensor) and landmarks.dtype == torch.bool:
+            check_packed_landmarks(op, landmarks, batch, hidden.shape[0], hidden)
+            landmarks = landmark_positions(landmarks, num_landmarks, cu_seqlens=cu_seqlens)
+    else:
+        check_hidden(op, hidden)
+        if isinstance(landmarks, Tensor) and landmarks.dtype == torch.bool:
+            check_landmarks(op, landmarks, hidden.shape[0], hidden.shape[1], hidden)
+            landmarks = landmark_positions(landmarks, num_landmarks)
+    return torch.ops.lmk_ops.landmark_gather(hidden, landmarks, cu_seqlens), landmarks >= 0
 
 
 for _fn in (mean_pool, max_pool, landmark_mean):
-    _fn.__doc__ = _fn.__doc__.replace("{normalize}", _NORMALIZE_DOC)
+    _fn.__doc__ = _fn.__doc__.replace("{normalize}", _NORMALIZE_DOC).replace("{packed}", _PACKED_DOC)
 
 
-def _token_positions(op: str, hidden: Tensor, mask: Tensor | None, last: bool) -> Tensor:
+def _valid_rows(op: str, mask: Tensor | None, shape, like: Tensor) -> Tensor:
+    """The mask as bool (every row when None), its 0/1 values checked by an op so that a bad value fails the same
+    way eagerly and when compiled."""
+    if mask is None:
+        return torch.ones(shape, dtype=torch.bool, device=like.device)
+    if mask.dtype == torch.bool:
+        return mask
+    return torch.ops.lmk_ops.valid_mask(mask.view(1, -1) if len(shape) == 1 else mask, op).view(shape)
+
+
+def _token_positions(op: str, hidden: Tensor, mask: Tensor | None, last: bool,
+                     cu_seqlens: Tensor | None = None) -> Tensor:
     """int64 [B, 1]: the first (or last) valid position of each text, -1 for a text with none."""
-    check_call(op, hidden, mask)
+    check_call(op, hidden, mask, cu_seqlens)
+    if cu_seqlens is not None:
+        check_packed(op, hidden, cu_seqlens)
+        tokens = hidden.shape[0]
+        check_packed_mask(op, mask, tokens, hidden)
+        valid = _valid_rows(op, mask, (tokens,), hidden)
+        starts, _, text = _packed_texts(cu_seqlens, tokens)
+        rows = torch.arange(tokens, device=hidden.device)
+        # The smallest (largest) valid row of each text; a text with none keeps the sentinel.
+        sentinel = -1 if last else tokens
+        found = torch.full_like(starts, sentinel).scatter_reduce(
+            0, text, torch.where(valid, rows, sentinel), "amax" if last else "amin")
+        return torch.where(found == sentinel, -1, found - starts).unsqueeze(1)
     check_hidden(op, hidden)
     batch, seq_len = hidden.shape[0], hidden.shape[1]
-    if mask is None:
-        valid = torch.ones(batch, seq_len, dtype=torch.bool, device=hidden.device)
-    else:
-        check_mask(op, mask, batch, seq_len, hidden)
-        # Checked by an op (0/1 values), so that a bad value fails the same way eagerly and when compiled.
-        valid = mask if mask.dtype == torch.bool else torch.ops.lmk_ops.valid_mask(mask, op)
+    check_mask(op, mask, batch, seq_len, hidden)
+    valid = _valid_rows(op, mask, (batch, seq_len), hidden)
     order = valid.flip(1) if last else valid
     found = order.to(torch.uint8).argmax(1) if seq_len else torch.zeros(batch, dtype=torch.long, device=hidden.device)
     position = seq_len - 1 - found if last else found
     return torch.where(valid.any(1), position, -1).unsqueeze(1)
 
 
-def first_token_pool(hidden: Tensor, mask: Tensor | None = None) -> Tensor:
+def first_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: Tensor | None = None,
+                     max_seqlen: int | None = None) -> Tensor:
     """The state of each text's first valid token (CLS pooling), whatever the padding side.
 
-    Args and errors as :func:`mean_pool`. Returns ``[B, D]``; a text with no valid token gives zeros. The
-    gradient goes to that one token.
+    Args and errors as :func:`mean_pool` (packed batches too). Returns ``[B, D]``; a text with no valid token gives
+    zeros. The gradient goes to that one token.
     """
-    positions = _token_positions("first_token_pool", hidden, mask, last=False)
-    return torch.ops.lmk_ops.landmark_gather(hidden, positions).squeeze(1)
+    positions = _token_positions("first_token_pool", hidden, mask, False, cu_seqlens)
+    return torch.ops.lmk_ops.landmark_gather(hidden, positions, cu_seqlens).squeeze(1)
 
 
-def last_token_pool(hidden: Tensor, mask: Tensor | None = None) -> Tensor:
+def last_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: Tensor | None = None,
+                    max_seqlen: int | None = None) -> Tensor:
     """The state of each text's last valid token (as decoder embedding models pool), whatever the padding side.
 
-    Args and errors as :func:`mean_pool`. Returns ``[B, D]``; a text with no valid token gives zeros.
+    Args and errors as :func:`mean_pool` (packed batches too). Returns ``[B, D]``; a text with no valid token gives
+    zeros.
     """
-    positions = _token_positions("last_token_pool", hidden, mask, last=True)
-    return torch.ops.lmk_ops.landmark_gather(hidden, positions).squeeze(1)
+    positions = _token_positions("last_token_pool", hidden, mask, True, cu_seqlens)
+    return torch.ops.lmk_ops.landmark_gather(hidden, positions, cu_seqlens).squeeze(1)
+
+
+def _packed_as_padded(op: str, hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor, max_seqlen: int | None):
+    """A packed batch copied into padded form: (hidden [B, W, D], valid [B, W]). W is max_seqlen, or read from the
+    offsets (a device sync)."""
+    check_packed(op, hidden, cu_seqlens, max_seqlen)
+    tokens = hidden.shape[0]
+    check_packed_mask(op, mask, tokens, hidden)
+    starts, lengths, _ = _packed_texts(cu_seqlens, tokens)
+    if max_seqlen is None:
+        max_seqlen = int(lengths.max()) if starts.shape[0] else 0
+    column = torch.arange(max_seqlen, device=hidden.device)
+    inside = column < lengths.unsqueeze(1)
+    rows = torch.where(inside, starts.unsqueeze(1) + column, 0)
+    valid = inside if mask is None else inside & _valid_rows(op, mask, (tokens,), hidden)[rows]
+    if tokens == 0:
+        return hidden.new_zeros(starts.shape[0], max_seqlen, hidden.shape[1]), valid
+    return hidden[rows], valid
 
 
 def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale: float | None = None,
-                   return_weights: bool = False):
+                   return_weights: bool = False, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None):
     """Attention pooling: a softmax over each text's valid tokens, scored against a learned query, weights the sum.
 
     One pass over hidden with an online softmax; the backward recomputes the probabilities from the saved softmax
@@ -212,6 +300,9 @@ def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale:
             float64 hidden); its gradient comes back in its own dtype.
         scale: multiplies the scores ``<hidden[b, l, slice_h], query[h]>``; default ``1 / sqrt(D // H)``.
         return_weights: also return the probabilities, differentiable.
+        cu_seqlens, max_seqlen: a packed batch, as for :func:`mean_pool`; the weights are then ``[T]`` or
+            ``[H, T]``. (For now the packed batch is copied into padded form, ``[B, max_seqlen, D]``, and pooled
+            by the padded kernels: same bits, but not yet the packed layout's memory saving.)
 
     Returns:
         ``[B, D]`` in hidden's dtype: per head, the probability-weighted sum of its slice, with the softmax in
@@ -224,11 +315,18 @@ def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale:
         RuntimeError: starting ``lmk_ops.attention_pool:`` for a bad hidden or mask (as :func:`mean_pool`), hidden
         with ``D = 0``, a query of another shape, dtype or device, or a scale that is not finite.
     """
-    check_call("attention_pool", hidden, mask, query)
+    check_call("attention_pool", hidden, mask, query, cu_seqlens)
     if isinstance(scale, Tensor):
         fail("attention_pool", "expected scale as a Python number, got a tensor (a scale is not learned: a "
                                "learned one is the query's norm, so fold it into the query)")
+    tokens = hidden.shape[0]
+    if cu_seqlens is not None:
+        hidden, mask = _packed_as_padded("attention_pool", hidden, mask, cu_seqlens, max_seqlen)
     out, _, weights = torch.ops.lmk_ops.attention_pool(hidden, mask, query, scale, return_weights)
     if not return_weights:
         return out
+    if cu_seqlens is not None:  # [B, H, W] back to [H, T]: row t is slot (its text, t - the text's start)
+        starts, _, text = _packed_texts(cu_seqlens, tokens)
+        weights = weights[text, :, torch.arange(tokens, device=text.device) - starts[text]].T
+        return out, weights.squeeze(0) if query.dim() == 1 else weights
     return out, weights.squeeze(1) if query.dim() == 1 else weights

@@ -1,0 +1,192 @@
+#include "common/packed.h"
+
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+
+#include <limits>
+#include <sstream>
+#include <string>
+
+#include "ops/kernels.h"
+
+namespace lmk_ops {
+namespace {
+
+std::string message(const char* op, const std::string& expected) {
+  return std::string("lmk_ops.") + op + ": " + expected;
+}
+
+// The number of selected rows before each row, and after the last: [T + 1] int64.
+at::Tensor selected_before(const at::Tensor& selected) {
+  const at::Tensor counted = selected.cumsum(0, at::kLong);
+  return at::cat({at::zeros({1}, counted.options()), counted});
+}
+
+}  // namespace
+
+int64_t PackedBatch::width() const {
+  if (max_seqlen.has_value()) {
+    return *max_seqlen;
+  }
+  return batch == 0 ? 0 : lengths.max().item<int64_t>();
+}
+
+at::Tensor PackedBatch::batch_view(const at::Tensor& hidden) const {
+  return hidden.as_strided({batch, tokens, hidden.size(1)}, {0, hidden.stride(0), hidden.stride(1)});
+}
+
+at::Tensor PackedBatch::text_of_rows() const {
+  return at::arange(batch, offsets.options()).repeat_interleave(lengths, 0, tokens);
+}
+
+at::Tensor PackedBatch::absolute(const at::Tensor& positions) const {
+  return at::where(positions.ge(0), positions + starts.unsqueeze(1), -1);
+}
+
+at::Tensor PackedBatch::relative(const at::Tensor& rows) const {
+  return at::where(rows.ge(0), rows - starts.unsqueeze(1), -1);
+}
+
+at::Tensor PackedBatch::list_rows(const at::Tensor& selected) const {
+  const int64_t k = width();
+  if (!selected.defined()) {
+    const at::Tensor column = at::arange(k, offsets.options()).unsqueeze(0);
+    return at::where(column.lt(lengths.unsqueeze(1)), column + starts.unsqueeze(1), -1).contiguous();
+  }
+  // Each selected row goes to slot (its text, its rank among the text's selected rows); the others to a spare
+  // last slot, dropped after.
+  const at::Tensor text = text_of_rows();
+  const at::Tensor before = selected_before(selected);
+  const at::Tensor rank = before.narrow(0, 0, tokens) - before.index_select(0, starts).index_select(0, text);
+  const at::Tensor slot = at::where(selected, text * k + rank, batch * k);
+  at::Tensor rows = at::full({batch * k + 1}, -1, offsets.options());
+  rows.scatter_(0, slot, at::arange(tokens, offsets.options()));
+  return rows.narrow(0, 0, batch * k).view({batch, k});
+}
+
+at::Tensor PackedBatch::count(const at::Tensor& selected) const {
+  const at::Tensor before = selected_before(selected);
+  return before.index_select(0, offsets.narrow(0, 1, batch)) - before.index_select(0, starts);
+}
+
+void check_packed_hidden(const char* op, const at::Tensor& hidden) {
+  TORCH_CHECK(hidden.defined(), "lmk_ops.", op, ": expected hidden to be a tensor, got None");
+  TORCH_CHECK(
+      hidden.dim() == 2, "lmk_ops.", op, ": expected packed hidden of shape [T, D] (2-D, with cu_seqlens), got a ",
+      hidden.dim(), "-D tensor of shape ", shape_str(hidden.sizes()));
+  const auto t = hidden.scalar_type();
+  TORCH_CHECK(
+      t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble, "lmk_ops.", op,
+      ": expected hidden of dtype float16, bfloat16, float32 or float64, got ", t);
+}
+
+PackedBatch prepare_packed(const char* op, int64_t tokens, const at::Tensor& like, const at::Tensor& cu_seqlens,
+                           std::optional<int64_t> max_seqlen, Values values) {
+  TORCH_CHECK(
+      cu_seqlens.device() == like.device(), "lmk_ops.", op, ": expected cu_seqlens on the same device as hidden (",
+      like.device(), "), got ", cu_seqlens.device());
+  TORCH_CHECK(
+      cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong, "lmk_ops.", op,
+      ": expected cu_seqlens of dtype int32 or int64, got ", cu_seqlens.scalar_type());
+  TORCH_CHECK(
+      cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, "lmk_ops.", op,
+      ": expected cu_seqlens of shape [B + 1] (1-D, at least one entry), got ", shape_str(cu_seqlens.sizes()));
+  TORCH_CHECK(
+      !max_seqlen.has_value() || *max_seqlen >= 0, "lmk_ops.", op, ": expected max_seqlen >= 0, got ",
+      max_seqlen.value_or(0));
+  PackedBatch packed;
+  packed.offsets = cu_seqlens.to(at::kLong).contiguous();
+  packed.batch = cu_seqlens.size(0) - 1;
+  packed.tokens = tokens;
+  packed.max_seqlen = max_seqlen;
+  packed.starts = packed.offsets.narrow(0, 0, packed.batch);
+  packed.lengths = packed.offsets.narrow(0, 1, packed.batch) - packed.starts;
+  if (values == Values::kCheck) {
+    const Kernels& k = kernels_for(like);
+    k.check_range(packed.offsets.narrow(0, 0, 1).view({1, 1}), 0, 0, message(op, "expected cu_seqlens[0] = 0"),
+                  false);
+    std::ostringstream last;
+    last << "expected cu_seqlens[-1] = T = " << tokens << " (hidden's rows)";
+    k.check_range(packed.offsets.narrow(0, packed.batch, 1).view({1, 1}), tokens, tokens, message(op, last.str()),
+                  false);
+    if (packed.batch > 0) {
+      const at::Tensor lengths = packed.lengths.view({1, packed.batch});
+      k.check_range(lengths, 0, std::numeric_limits<int64_t>::max(),
+                    message(op, "expected non-decreasing cu_seqlens (text b has cu_seqlens[b + 1] - cu_seqlens[b] "
+                                ">= 0 tokens; the value is that length, the column b)"),
+                    false);
+      if (max_seqlen.has_value()) {
+        std::ostringstream most;
+        most << "expected every text at most max_seqlen = " << *max_seqlen
+             << " tokens long (the value is a text's length, the column its index)";
+        k.check_range(lengths, 0, *max_seqlen, message(op, most.str()), false);
+      }
+    }
+  }
+  return packed;
+}
+
+PackedBatch prepare_packed_grad(const char* op, const at::Tensor& grad, int64_t tokens, const at::Tensor& cu_seqlens) {
+  PackedBatch packed = prepare_packed(op, tokens, grad, cu_seqlens, std::nullopt, Values::kTrusted);
+  TORCH_CHECK(
+      packed.batch == grad.size(0), "lmk_ops.", op, ": expected grad_out with B = ", packed.batch,
+      " texts (as cu_seqlens), got shape ", shape_str(grad.sizes()));
+  return packed;
+}
+
+at::Tensor prepare_packed_mask(const char* op, const std::optional<at::Tensor>& mask, const PackedBatch& packed,
+                               const at::Tensor& like, Values values) {
+  if (!mask.has_value() || !mask->defined()) {
+    return at::Tensor();
+  }
+  TORCH_CHECK(
+      mask->dim() == 1 && mask->size(0) == packed.tokens, "lmk_ops.", op,
+      ": expected a packed mask of shape [T] = [", packed.tokens, "], got ", shape_str(mask->sizes()));
+  return prepare_mask(op, mask->view({1, packed.tokens}), 1, packed.tokens, like, values).view({packed.tokens});
+}
+
+at::Tensor prepare_packed_positions(const char* op, const at::Tensor& positions, const PackedBatch& packed,
+                                    const at::Tensor& like, Values values) {
+  // Shape, dtype and device as for the padded positions; the range is each text's own length.
+  const at::Tensor p = prepare_positions(op, positions, packed.batch, std::numeric_limits<int64_t>::max(), like,
+                                         Values::kTrusted);
+  if (values == Values::kCheck && p.numel() > 0) {
+    // Only a bad entry keeps its value; every other becomes -1, so the first value that is not -1 is the culprit.
+    const at::Tensor bad = p.lt(-1).logical_or(p.ge(packed.lengths.unsqueeze(1)));
+    kernels_for(like).check_range(
+        at::where(bad, p, -1).contiguous(), -1, -1,
+        message(op, "expected landmark positions in [0, length of their text) (counted from the text's start in "
+                    "cu_seqlens) or -1 for none"),
+        /*landmarks=*/true);
+  }
+  return packed.absolute(p).contiguous();
+}
+
+at::Tensor prepare_packed_landmark_mask(const char* op, const at::Tensor& landmarks, const PackedBatch& packed,
+                                        const at::Tensor& like) {
+  TORCH_CHECK(
+      landmarks.device() == like.device(), "lmk_ops.", op, ": expected landmarks on the same device as hidden (",
+      like.device(), "), got ", landmarks.device());
+  TORCH_CHECK(
+      landmarks.dim() == 1 && landmarks.size(0) == packed.tokens, "lmk_ops.", op,
+      ": expected a packed landmark mask of shape [T] = [", packed.tokens, "], got ", shape_str(landmarks.sizes()));
+  return landmarks.contiguous();
+}
+
+RowSelection prepare_packed_landmarks(const char* op, const at::Tensor& landmarks, const PackedBatch& packed,
+                                      const at::Tensor& like, Values values) {
+  TORCH_CHECK(
+      landmarks.scalar_type() == at::kBool || landmarks.scalar_type() == at::kLong, "lmk_ops.", op,
+      ": expected packed landmarks as a bool mask [T] or int64 positions [B, K] padded with -1, got ",
+      landmarks.scalar_type());
+  if (landmarks.scalar_type() == at::kLong) {
+    return {at::Tensor(), prepare_packed_positions(op, landmarks, packed, like, values)};
+  }
+  return {at::Tensor(), packed.list_rows(prepare_packed_landmark_mask(op, landmarks, packed, like))};
+}
+
+}  // namespace lmk_ops

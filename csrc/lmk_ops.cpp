@@ -40,6 +40,9 @@ TORCH_LIBRARY(lmk_ops, m) {
   // integer mask), with errors naming `op`: the helpers written in Python (first_token_pool, last_token_pool) call it
   // so that a bad value fails the same way eagerly and inside a compiled graph.
   m.def("valid_mask(Tensor mask, str op) -> Tensor", tags);
+  // cu_seqlens of a packed batch of `tokens` rows as fresh int64 offsets, checked as the pooling ops check them
+  // (first 0, last T, non-decreasing, each text at most max_seqlen), with errors naming `op`.
+  m.def("packed_offsets(Tensor cu_seqlens, SymInt tokens, SymInt? max_seqlen, str op) -> Tensor", tags);
   // query: [D] (one head) or [H, D / H] (H heads, head h scoring and pooling features [h D / H, (h + 1) D / H)).
   // scale defaults to 1 / sqrt(D / H). Returns (out [B, D] in hidden's dtype; stats [B, H, 2] in float64, the
   // softmax statistics {max score, sum of exp(score - max)}, -inf for a text with no valid token; weights

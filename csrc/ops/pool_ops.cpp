@@ -131,8 +131,17 @@ at::Tensor valid_mask(const at::Tensor& mask, c10::string_view op_name) {
   return valid.is_same(mask) || valid.data_ptr() == mask.data_ptr() ? valid.clone() : valid;
 }
 
+at::Tensor packed_offsets(const at::Tensor& cu_seqlens, int64_t tokens, std::optional<int64_t> max_seqlen,
+                          c10::string_view op_name) {
+  const std::string op(op_name);
+  TORCH_CHECK(tokens >= 0, "lmk_ops.", op, ": expected T >= 0 rows, got ", tokens);
+  const PackedBatch packed = prepare_packed(op.c_str(), tokens, cu_seqlens, cu_seqlens, max_seqlen);
+  return packed.offsets.is_same(cu_seqlens) ? packed.offsets.clone() : packed.offsets;
+}
+
 void register_pool_ops(torch::Library& m) {
   m.impl("valid_mask", &valid_mask);
+  m.impl("packed_offsets", &packed_offsets);
   m.impl("mean_pool", &mean_pool);
   m.impl("mean_pool_backward", &mean_pool_backward);
   m.impl("max_pool", &max_pool);

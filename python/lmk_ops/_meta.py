@@ -133,6 +133,12 @@ def _valid_mask_fake(mask, op):
     return mask.new_empty(mask.shape, dtype=torch.bool)
 
 
+@torch.library.register_fake("lmk_ops::packed_offsets")
+def _packed_offsets_fake(cu_seqlens, tokens, max_seqlen, op):
+    check_offsets(op, cu_seqlens, cu_seqlens)
+    return cu_seqlens.new_empty(cu_seqlens.shape, dtype=torch.int64)
+
+
 @torch.library.register_fake("lmk_ops::attention_pool")
 def _attention_pool_fake(hidden, mask, query, scale=None, return_weights=False):
     check_hidden("attention_pool", hidden)

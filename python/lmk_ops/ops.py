@@ -110,9 +110,10 @@ def _values_known(t: Tensor) -> bool:
     return not (torch.compiler.is_compiling() or t.device.type == "meta" or isinstance(t, FakeTensor))
 
 
-def _packed_texts(cu_seqlens: Tensor, tokens: int):
-    """(starts [B], lengths [B], text of each row [T]) of a packed batch, int64, with no device sync."""
-    offsets = cu_seqlens.long()
+def _packed_texts(cu_seqlens: Tensor, tokens: int, op: str | None = None, max_seqlen: int | None = None):
+    """(starts [B], lengths [B], text of each row [T]) of a packed batch, int64, with no device sync; with op, the
+    offsets are checked first (as the ops check them, errors naming op)."""
+    offsets = cu_seqlens.long() if op is None else torch.ops.lmk_ops.packed_offsets(cu_seqlens, tokens, max_seqlen, op)
     starts, lengths = offsets[:-1], offsets[1:] - offsets[:-1]
     text = torch.arange(starts.shape[0], device=offsets.device).repeat_interleave(lengths, output_size=tokens)
     return starts, lengths, text
@@ -140,7 +141,7 @@ def landmark_positions(landmark_mask: Tensor, num_landmarks: int | None = None, 
     device = landmark_mask.device
     if cu_seqlens is not None:
         # Each token's text and its rank among the text's landmarks, from one running count.
-        starts, lengths, text = _packed_texts(cu_seqlens, landmark_mask.shape[0])
+        starts, lengths, text = _packed_texts(cu_seqlens, landmark_mask.shape[0], op)
         before = torch.cat([landmark_mask.new_zeros(1, dtype=torch.long), landmark_mask.long().cumsum(0)])
         counts = before[cu_seqlens[1:].long()] - before[starts]
         rank = before[:-1] - before[starts][text]
@@ -171,7 +172,7 @@ def landmark_positions(landmark_mask: Tensor, num_landmarks: int | None = None, 
 
 
 def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | None = None,
-                    cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                    cu_seqlens: Tensor | None = None, max_seqlen: int | None = None) -> tuple[Tensor, Tensor]:
     """One vector per landmark: chunk or sentence embeddings (as in BGE Landmark Embedding, arXiv 2402.11573).
 
     Args:
@@ -180,6 +181,7 @@ def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | N
             into positions by :func:`landmark_positions`, with ``num_landmarks``). Packed positions count from
             each text's start.
         cu_seqlens: a packed batch's offsets, as for :func:`mean_pool`.
+        max_seqlen: accepted for one call shape across the ops (K comes from the positions or num_landmarks).
 
     Returns:
         ``(vectors, valid)``: ``[B, K, D]`` in hidden's dtype, with zero rows where there is no landmark, and the
@@ -219,7 +221,7 @@ def _valid_rows(op: str, mask: Tensor | None, shape, like: Tensor) -> Tensor:
 
 
 def _token_positions(op: str, hidden: Tensor, mask: Tensor | None, last: bool,
-                     cu_seqlens: Tensor | None = None) -> Tensor:
+                     cu_seqlens: Tensor | None = None, max_seqlen: int | None = None) -> Tensor:
     """int64 [B, 1]: the first (or last) valid position of each text, -1 for a text with none."""
     check_call(op, hidden, mask, cu_seqlens)
     if cu_seqlens is not None:
@@ -227,7 +229,7 @@ def _token_positions(op: str, hidden: Tensor, mask: Tensor | None, last: bool,
         tokens = hidden.shape[0]
         check_packed_mask(op, mask, tokens, hidden)
         valid = _valid_rows(op, mask, (tokens,), hidden)
-        starts, _, text = _packed_texts(cu_seqlens, tokens)
+        starts, _, text = _packed_texts(cu_seqlens, tokens, op, max_seqlen)
         rows = torch.arange(tokens, device=hidden.device)
         # The smallest (largest) valid row of each text; a text with none keeps the sentinel.
         sentinel = -1 if last else tokens
@@ -251,7 +253,7 @@ def first_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: 
     Args and errors as :func:`mean_pool` (packed batches too). Returns ``[B, D]``; a text with no valid token gives
     zeros. The gradient goes to that one token.
     """
-    positions = _token_positions("first_token_pool", hidden, mask, False, cu_seqlens)
+    positions = _token_positions("first_token_pool", hidden, mask, False, cu_seqlens, max_seqlen)
     return torch.ops.lmk_ops.landmark_gather(hidden, positions, cu_seqlens).squeeze(1)
 
 
@@ -262,7 +264,7 @@ def last_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: T
     Args and errors as :func:`mean_pool` (packed batches too). Returns ``[B, D]``; a text with no valid token gives
     zeros.
     """
-    positions = _token_positions("last_token_pool", hidden, mask, True, cu_seqlens)
+    positions = _token_positions("last_token_pool", hidden, mask, True, cu_seqlens, max_seqlen)
     return torch.ops.lmk_ops.landmark_gather(hidden, positions, cu_seqlens).squeeze(1)
 
 
@@ -272,15 +274,15 @@ def _packed_as_padded(op: str, hidden: Tensor, mask: Tensor | None, cu_seqlens: 
     check_packed(op, hidden, cu_seqlens, max_seqlen)
     tokens = hidden.shape[0]
     check_packed_mask(op, mask, tokens, hidden)
-    starts, lengths, _ = _packed_texts(cu_seqlens, tokens)
+    starts, lengths, _ = _packed_texts(cu_seqlens, tokens, op, max_seqlen)
     if max_seqlen is None:
         max_seqlen = int(lengths.max()) if starts.shape[0] else 0
     column = torch.arange(max_seqlen, device=hidden.device)
     inside = column < lengths.unsqueeze(1)
     rows = torch.where(inside, starts.unsqueeze(1) + column, 0)
-    valid = inside if mask is None else inside & _valid_rows(op, mask, (tokens,), hidden)[rows]
-    if tokens == 0:
-        return hidden.new_zeros(starts.shape[0], max_seqlen, hidden.shape[1]), valid
+    valid = inside if mask is None or tokens == 0 else inside & _valid_rows(op, mask, (tokens,), hidden)[rows]
+    if tokens == 0:  # nothing to index; + hidden.sum() (an exact 0) keeps the result in hidden's autograd graph
+        return hidden.new_zeros(starts.shape[0], max_seqlen, hidden.shape[1]) + hidden.sum(), valid
     return hidden[rows], valid
 
 

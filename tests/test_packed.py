@@ -1,0 +1,240 @@
+"""Packed (cu_seqlens) batches: every op gives a text the same bits packed, padded (either side) or alone, forward
+and gradient; the offsets are checked; the packed ops pass opcheck, gradcheck and torch.compile."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lmk_ops
+from devices import DEVICES
+from strategies import DTYPES
+
+ops = torch.ops.lmk_ops
+
+
+def _attention(heads):
+    def pool(hidden, mask, **packed):
+        count = heads if hidden.shape[-1] % heads == 0 else 1
+        query = torch.linspace(-1.0, 1.0, hidden.shape[-1], dtype=torch.float64).reshape(count, -1)
+        return lmk_ops.attention_pool(hidden, mask, query.to(hidden.device), **packed)
+    return pool
+
+
+# Every public function as f(hidden, token mask or None, **packed), with whether it takes a token mask.
+FUNCTIONS = {
+    "mean_pool": lmk_ops.mean_pool,
+    "mean_pool+normalize": partial(lmk_ops.mean_pool, normalize=True),
+    "max_pool": lmk_ops.max_pool,
+    "first_token_pool": lmk_ops.first_token_pool,
+    "last_token_pool": lmk_ops.last_token_pool,
+    "landmark_mean": lambda h, m, **p: lmk_ops.landmark_mean(h, m if m is not None else _all(h, p), **p),
+    "landmark_mean+normalize": lambda h, m, **p: lmk_ops.landmark_mean(h, m if m is not None else _all(h, p),
+                                                                       normalize=True, **p),
+    "landmark_gather": lambda h, m, **p: lmk_ops.landmark_gather(h, m if m is not None else _all(h, p),
+                                                                 num_landmarks=_longest(h, p), **p)[0],
+    "attention_pool@1h": _attention(1),
+    "attention_pool@2h": _attention(2),
+}
+
+
+def _longest(hidden, packed):
+    """The longest text's length: padded L, or from a packed batch's offsets."""
+    if not packed:
+        return hidden.shape[1]
+    offsets = packed["cu_seqlens"]
+    return int((offsets[1:] - offsets[:-1]).max())
+
+
+def _all(hidden, packed):
+    """A landmark mask selecting every token (landmark ops need one)."""
+    shape = hidden.shape[:1] if packed else hidden.shape[:2]
+    return torch.ones(shape, dtype=torch.bool, device=hidden.device)
+
+
+def _layouts(lengths, dim, dtype, strided, selected, device):
+    """The same texts packed [T, D] (offsets int64; a strided view when asked), right-padded and left-padded
+    [B, W, D], and their masks ([T], [B, W]); selected: per token, whether it is valid (None: every token)."""
+    gen = torch.Generator().manual_seed(len(lengths) * 1000 + dim)
+    total, width, batch = sum(lengths), max(lengths, default=0), len(lengths)
+    wide = torch.randn(total, 2 * dim if strided else dim, generator=gen, dtype=torch.float64).to(dtype)
+    packed = (wide[:, ::2] if strided else wide).to(device)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64, device=device)
+    pads = {}
+    for side in ("right", "left"):
+        hidden = torch.randn(batch, width, dim, generator=gen, dtype=torch.float64).to(dtype).to(device)
+        mask = torch.zeros(batch, width, dtype=torch.bool, device=device)
+        for b, n in enumerate(lengths):
+            start = int(offsets[b])
+            slots = slice(0, n) if side == "right" else slice(width - n, width)
+            hidden[b, slots] = packed[start:start + n]
+            mask[b, slots] = True if selected is None else selected[start:start + n].to(device)
+        pads[side] = (hidden, mask)
+    token_mask = None if selected is None else selected.to(device)
+    return packed, offsets, token_mask, pads
+
+
+def _rows_of(padded_grad, lengths, side):
+    """The text rows of a padded [B, W, D] gradient, packed into [T, D]."""
+    width = padded_grad.shape[1]
+    parts = [padded_grad[b, :n] if side == "right" else padded_grad[b, width - n:] for b, n in enumerate(lengths)]
+    return torch.cat(parts) if parts else padded_grad.new_zeros(0, padded_grad.shape[-1])
+
+
+def _run(fn, hidden, mask, upstream_seed, **packed):
+    h = hidden.detach().requires_grad_()
+    out = fn(h, mask, **packed)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(upstream_seed), dtype=torch.float64)
+    (g,) = torch.autograd.grad(out, h, grad.to(out.dtype).to(out.device))
+    return out.detach(), g
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=80, deadline=None)
+@given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=6), dim=st.sampled_from([1, 8, 24, 33]),
+       dtype=st.sampled_from(DTYPES), offsets32=st.booleans(), strided=st.booleans(), masked=st.booleans(),
+       name=st.sampled_from(sorted(FUNCTIONS)), data=st.data())
+def test_a_text_pools_to_the_same_bits_packed_padded_and_alone(device, lengths, dim, dtype, offsets32, strided,
+                                                               masked, name, data):
+    total = sum(lengths)
+    selected = torch.tensor(data.draw(st.lists(st.booleans(), min_size=total, max_size=total)), dtype=torch.bool) \
+        if masked else None
+    fn = FUNCTIONS[name]
+    packed, offsets, token_mask, pads = _layouts(lengths, dim, dtype, strided, selected, device)
+    if offsets32:
+        offsets = offsets.int()
+    out, grad = _run(fn, packed, token_mask, 7, cu_seqlens=offsets)
+    # The same hint as the longest text, or none (read from the offsets): the same bits.
+    out_hinted, _ = _run(fn, packed, token_mask, 7, cu_seqlens=offsets, max_seqlen=max(lengths) + 1)
+    assert torch.equal(out, out_hinted), name
+    for side, (hidden, mask) in pads.items():
+        padded_out, padded_grad = _run(fn, hidden, mask, 7)
+        assert torch.equal(out, padded_out), f"{name}: packed and {side}-padded outputs differ"
+        assert torch.equal(grad, _rows_of(padded_grad, lengths, side)), f"{name}: {side}-padded gradient differs"
+    # Alone: the first non-empty text as a batch of one.
+    b = next((i for i, n in enumerate(lengths) if n), None)
+    if b is not None:
+        start, n = int(offsets[b]), lengths[b]
+        alone = packed[start:start + n]
+        alone_mask = None if token_mask is None else token_mask[start:start + n]
+        one = torch.tensor([0, n], dtype=offsets.dtype, device=device)
+        alone_out, _ = _run(fn, alone, alone_mask, 7, cu_seqlens=one)
+        assert torch.equal(alone_out[0], out[b]), f"{name}: text {b} alone differs from its batch"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_landmark_positions_count_from_each_text_and_repeat(device):
+    hidden = torch.randn(9, 6, dtype=torch.float64, device=device, requires_grad=True)
+    offsets = torch.tensor([0, 4, 4, 9], device=device)
+    positions = torch.tensor([[1, 3, 1], [-1, -1, -1], [0, -1, 4]], device=device)
+    out = lmk_ops.landmark_mean(hidden, positions, cu_seqlens=offsets)
+    expected = torch.stack([(hidden[1] + hidden[3] + hidden[1]) / 3, torch.zeros(6, dtype=torch.float64,
+                           device=device), (hidden[4] + hidden[8]) / 2])
+    torch.testing.assert_close(out, expected)
+    vectors, valid = lmk_ops.landmark_gather(hidden, positions, cu_seqlens=offsets)
+    assert torch.equal(vectors[0, 2], hidden[1].detach()) and torch.equal(vectors[2, 2], hidden[8].detach())
+    assert valid.tolist() == [[True, True, True], [False, False, False], [True, False, True]]
+    torch.autograd.gradcheck(lambda h: lmk_ops.landmark_mean(h, positions, cu_seqlens=offsets), (hidden,))
+    torch.autograd.gradcheck(lambda h: lmk_ops.landmark_gather(h, positions, cu_seqlens=offsets)[0], (hidden,))
+    _, argmax = lmk_ops.max_pool(hidden, cu_seqlens=offsets, return_indices=True)
+    assert argmax.dtype == torch.int32 and int(argmax[1].max()) == -1 and int(argmax[2].max()) < 5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_packed_gradcheck_and_gradgradcheck(device, name):
+    fn = FUNCTIONS[name]
+    hidden = torch.randn(7, 4, dtype=torch.float64, device=device, requires_grad=True)
+    offsets = torch.tensor([0, 3, 3, 7], dtype=torch.int32, device=device)
+    mask = torch.tensor([1, 0, 1, 1, 1, 0, 1], dtype=torch.bool, device=device)
+    torch.autograd.gradcheck(lambda h: fn(h, mask, cu_seqlens=offsets), (hidden,))
+    torch.autograd.gradgradcheck(lambda h: fn(h, mask, cu_seqlens=offsets), (hidden,))
+
+
+BAD_OFFSETS = [
+    (torch.tensor([1, 3, 7]), "expected cu_seqlens[0] = 0"),
+    (torch.tensor([0, 3, 6]), "expected cu_seqlens[-1] = T = 7"),
+    (torch.tensor([0, 5, 3, 7]), "expected non-decreasing cu_seqlens"),
+    (torch.tensor([0, 3, 7]).float(), "expected cu_seqlens of dtype int32 or int64, got Float"),
+    (torch.tensor([[0, 3, 7]]), "expected cu_seqlens of shape [B + 1]"),
+    (torch.tensor([], dtype=torch.long), "expected cu_seqlens of shape [B + 1]"),
+]
+
+
+@pytest.mark.parametrize("offsets,message", BAD_OFFSETS)
+@pytest.mark.parametrize("name", ["mean_pool", "max_pool", "landmark_mean"])
+def test_bad_offsets_name_the_op(offsets, message, name):
+    hidden = torch.randn(7, 4)
+    call = {"mean_pool": lambda: lmk_ops.mean_pool(hidden, cu_seqlens=offsets),
+            "max_pool": lambda: lmk_ops.max_pool(hidden, cu_seqlens=offsets),
+            "landmark_mean": lambda: lmk_ops.landmark_mean(hidden, torch.ones(7, dtype=torch.bool),
+                                                           cu_seqlens=offsets)}[name]
+    with pytest.raises(RuntimeError, match=f"lmk_ops.{name}: " + message.replace("[", r"\[").replace("+", r"\+")):
+        call()
+
+
+def test_bad_packed_inputs_name_the_op():
+    hidden, offsets = torch.randn(7, 4), torch.tensor([0, 3, 7])
+    with pytest.raises(RuntimeError, match=r"lmk_ops.mean_pool: expected every text at most max_seqlen = 3"):
+        lmk_ops.mean_pool(hidden, cu_seqlens=offsets, max_seqlen=3)
+    with pytest.raises(RuntimeError, match=r"lmk_ops.mean_pool: expected a packed mask of shape \[T\] = \[7\]"):
+        lmk_ops.mean_pool(hidden, torch.ones(2, 7, dtype=torch.bool), cu_seqlens=offsets)
+    with pytest.raises(RuntimeError, match=r"lmk_ops.max_pool: expected mask values 0 or 1, got 2"):
+        lmk_ops.max_pool(hidden, torch.tensor([1, 1, 2, 1, 1, 1, 1]), cu_seqlens=offsets)
+    with pytest.raises(RuntimeError, match=r"lmk_ops.mean_pool: expected packed hidden of shape \[T, D\]"):
+        lmk_ops.mean_pool(hidden[None], cu_seqlens=offsets)
+    with pytest.raises(RuntimeError, match=r"lmk_ops.landmark_mean: expected landmark positions in \[0, length of "
+                                           r"their text\).*got 3 in row 0"):
+        lmk_ops.landmark_mean(hidden, torch.tensor([[0, 3], [0, -1]]), cu_seqlens=offsets)
+    with pytest.raises(RuntimeError, match=r"lmk_ops.landmark_gather: expected landmark positions"):
+        lmk_ops.landmark_gather(hidden, torch.tensor([[0, -2], [0, -1]]), cu_seqlens=offsets)
+    with pytest.raises(RuntimeError, match=r"lmk_ops.first_token_pool: expected cu_seqlens\[-1\] = T = 7"):
+        lmk_ops.first_token_pool(hidden, cu_seqlens=torch.tensor([0, 3, 8]))
+
+
+def test_packed_inputs_are_not_modified():
+    hidden, offsets, mask = torch.randn(7, 4), torch.tensor([0, 3, 7], dtype=torch.int32), torch.ones(7, dtype=torch.long)
+    before = (hidden.clone(), offsets.clone(), mask.clone())
+    for fn in (lmk_ops.mean_pool, lmk_ops.max_pool, lmk_ops.first_token_pool, lmk_ops.last_token_pool):
+        fn(hidden, mask, cu_seqlens=offsets)
+    assert all(torch.equal(a, b) for a, b in zip(before, (hidden, offsets, mask)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_packed_ops(device):
+    hidden = torch.randn(9, 5, device=device, requires_grad=True)
+    offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int32, device=device)
+    mask = torch.tensor([1, 0, 1, 1, 1, 1, 0, 1, 1], dtype=torch.bool, device=device)
+    positions = torch.tensor([[1, 3], [-1, -1], [0, 4]], device=device)
+    for normalize in (False, True):
+        torch.library.opcheck(ops.mean_pool.default, (hidden, mask, normalize, offsets, 5))
+        torch.library.opcheck(ops.max_pool.default, (hidden, None, normalize, offsets))
+        torch.library.opcheck(ops.landmark_mean.default, (hidden, mask, normalize, offsets))
+        torch.library.opcheck(ops.landmark_mean.default, (hidden, positions, normalize, offsets, 5))
+    torch.library.opcheck(ops.landmark_gather.default, (hidden, positions, offsets))
+    grad = torch.randn(3, 5, device=device, requires_grad=True)
+    torch.library.opcheck(ops.mean_pool_backward.default, (grad, mask, 9, None, offsets))
+    torch.library.opcheck(ops.landmark_mean_backward.default, (grad, positions, 9, torch.float64, offsets))
+    argmax = ops.max_pool(hidden.detach(), None, False, offsets)[1]
+    torch.library.opcheck(ops.max_pool_backward.default, (grad, argmax, 9, offsets))
+    torch.library.opcheck(ops.landmark_gather_backward.default,
+                          (torch.randn(3, 2, 5, device=device, requires_grad=True), positions, 9, offsets))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_packed(device):
+    def model(hidden, offsets, mask):
+        return (lmk_ops.mean_pool(hidden, mask, cu_seqlens=offsets, max_seqlen=6)
+                + lmk_ops.max_pool(hidden, cu_seqlens=offsets, max_seqlen=6)
+                + lmk_ops.first_token_pool(hidden, mask, cu_seqlens=offsets)
+                + lmk_ops.landmark_gather(hidden, mask, cu_seqlens=offsets, num_landmarks=6)[0].sum(1))
+
+    hidden = torch.randn(11, 8, device=device)
+    offsets = torch.tensor([0, 5, 5, 11], device=device)
+    mask = torch.rand(11, device=device) < 0.7
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(hidden, offsets, mask), model(hidden, offsets, mask))

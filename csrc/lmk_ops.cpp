@@ -36,6 +36,12 @@ TORCH_LIBRARY(lmk_ops, m) {
   // positions: int64 [B, K] padded with -1; returns [B, K, D], zero rows for -1.
   m.def("landmark_gather(Tensor hidden, Tensor positions, Tensor? cu_seqlens=None) -> Tensor", tags);
   m.def("landmark_gather_backward(Tensor grad_out, Tensor positions, SymInt seq_len, Tensor? cu_seqlens=None) -> Tensor", tags);
+  // The first (last) valid token of each text, [B, D], and its position [B, 1] (int64, from the text's start, -1
+  // for a text with none); the backward is landmark_gather_backward at those positions.
+  m.def(
+      "token_pool(Tensor hidden, Tensor? mask=None, bool last=False, Tensor? cu_seqlens=None, SymInt? max_seqlen=None) "
+      "-> (Tensor, Tensor)",
+      tags);
   // A [B, L] attention mask as a fresh bool tensor, its values checked as the pooling ops check them (0/1 for an
   // integer mask), with errors naming `op`: the helpers written in Python (first_token_pool, last_token_pool) call it
   // so that a bad value fails the same way eagerly and inside a compiled graph.
@@ -46,16 +52,16 @@ TORCH_LIBRARY(lmk_ops, m) {
   // query: [D] (one head) or [H, D / H] (H heads, head h scoring and pooling features [h D / H, (h + 1) D / H)).
   // scale defaults to 1 / sqrt(D / H). Returns (out [B, D] in hidden's dtype; stats [B, H, 2] in float64, the
   // softmax statistics {max score, sum of exp(score - max)}, -inf for a text with no valid token; weights
-  // [B, H, L] in the accumulation type, or empty without return_weights). The backward recomputes the probabilities
+  // [B, H, L] in the accumulation type ([H, T] packed), or empty without return_weights). The backward recomputes the probabilities
   // from stats, works relative to out (the forward's output, which keeps it accurate in float32) and returns
   // (grad_hidden, grad_query).
   m.def(
-      "attention_pool(Tensor hidden, Tensor? mask, Tensor query, float? scale=None, bool return_weights=False) -> "
-      "(Tensor, Tensor, Tensor)",
+      "attention_pool(Tensor hidden, Tensor? mask, Tensor query, float? scale=None, bool return_weights=False, "
+      "Tensor? cu_seqlens=None, SymInt? max_seqlen=None) -> (Tensor, Tensor, Tensor)",
       tags);
   m.def(
       "attention_pool_backward(Tensor grad_out, Tensor? grad_weights, Tensor hidden, Tensor? mask, Tensor query, "
-      "Tensor out, Tensor stats, float? scale=None) -> (Tensor, Tensor)",
+      "Tensor out, Tensor stats, float? scale=None, Tensor? cu_seqlens=None) -> (Tensor, Tensor)",
       tags);
 }
 

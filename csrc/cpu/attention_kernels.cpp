@@ -201,7 +201,7 @@ inline acc probability(acc score, const double* stats) {
 }
 
 template <typename scalar_t>
-void attention_forward_typed(const at::Tensor& hidden, const at::Tensor& valid, const at::Tensor& query,
+void attention_forward_typed(const at::Tensor& hidden, const AttentionRows& rows, const at::Tensor& query,
                              double scale, at::Tensor& out, at::Tensor& stats, at::Tensor& weights) {
   using acc = acc_t<scalar_t>;
   const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
@@ -212,23 +212,25 @@ void attention_forward_typed(const at::Tensor& hidden, const at::Tensor& valid, 
   scalar_t* o = out.data_ptr<scalar_t>();
   double* all_stats = stats.data_ptr<double>();
   acc* w = weights.defined() ? weights.data_ptr<acc>() : nullptr;
-  const RowListing listing = list_rows(RowSelection{valid, at::Tensor()}, batch, seq_len);
+  const RowListing listing = list_rows(rows.listed, batch, seq_len);
   const RowList& list = listing.view;
   const int64_t chunks = chunks_for(list.upper());
+  // Where text b's weights start: [B, H, L], or one [H, T] for a packed batch (rows of texts never overlap).
+  const int64_t weights_batch = rows.packed() ? 0 : heads * seq_len;
   // Each chunk's softmax state (running max, total, weighted sum), merged per text below in chunk order.
   std::vector<acc> part_max(batch * chunks * heads);
   std::vector<double> part_sum(batch * chunks * heads), part_out(batch * chunks * dim);
   for_each_chunk(list, batch, dim, head_dim, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n,
-                                                 const ChunkRows& rows) {
+                                                 const ChunkRows& chunk_rows) {
     const int64_t h0 = d0 / head_dim, block_heads = n / head_dim;
     std::vector<acc> state(n + 2 * block_heads);
     std::vector<double> totals(n + block_heads);
-    acc* scores = w != nullptr ? w + (b * heads + h0) * seq_len : nullptr;
+    acc* scores = w != nullptr ? w + b * weights_batch + h0 * seq_len : nullptr;
     SoftmaxReducer<scalar_t> reducer{q + d0,          static_cast<acc>(scale), block_heads,
                                      head_dim,        state.data(),            totals.data(),
                                      state.data() + n, state.data() + n + block_heads, totals.data() + n,
                                      scores,          seq_len};
-    if (reduce_rows(h + b * sb + d0 * sd, sl, sd, n, rows, reducer) > 0) {
+    if (reduce_rows(h + b * sb + d0 * sd, sl, sd, n, chunk_rows, reducer) > 0) {
       reducer.fold();
       const int64_t part = b * chunks + chunk;
       std::copy_n(reducer.running_max, block_heads, part_max.data() + part * heads + h0);
@@ -267,7 +269,7 @@ void attention_forward_typed(const at::Tensor& hidden, const at::Tensor& valid, 
       text_stats[0] = best;
       text_stats[1] = total;
       if (w != nullptr) {
-        acc* scores = w + (b * heads + hh) * seq_len;
+        acc* scores = w + b * weights_batch + hh * seq_len;
         for (int64_t j = 0; j < list.rows(b); ++j) {
           const int64_t l = list.row(b, j);
           scores[l] = probability(scores[l], text_stats);
@@ -313,7 +315,7 @@ inline void combine(acc* dst, acc p, const acc* g, acc c, const acc* q, int64_t 
 
 template <typename scalar_t>
 void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_weights, const at::Tensor& hidden,
-                              const at::Tensor& valid, const at::Tensor& query, const at::Tensor& out,
+                              const AttentionRows& rows, const at::Tensor& query, const at::Tensor& out,
                               const at::Tensor& stats, double scale, at::Tensor& grad_hidden,
                               at::Tensor& grad_query) {
   using acc = acc_t<scalar_t>;
@@ -328,16 +330,18 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
   const double* all_stats = stats.const_data_ptr<double>();
   scalar_t* gh = grad_hidden.data_ptr<scalar_t>();
   const auto sc = static_cast<acc>(scale);
-  const RowListing listing = list_rows(RowSelection{valid, at::Tensor()}, batch, seq_len);
+  const RowListing listing = list_rows(rows.listed, batch, seq_len);
   const RowList& list = listing.view;
   const int64_t chunks = chunks_for(list.upper());
+  // Per-row values live at [(b * row_batch + h) * seq_len + l]: [B, H, L], or one [H, T] for a packed batch.
+  const int64_t row_batch = rows.packed() ? 0 : heads, row_texts = rows.packed() ? 1 : batch;
   // p and e of every valid row, per head; per chunk the sums of p e (x - m) and p (x - m) per feature and of p e
   // per head, in float64.
-  std::vector<acc> prob(batch * heads * seq_len), err(batch * heads * seq_len);
+  std::vector<acc> prob(row_texts * heads * seq_len), err(row_texts * heads * seq_len);
   std::vector<double> part_pex(batch * chunks * dim, 0.0), part_px(batch * chunks * dim, 0.0);
   std::vector<double> part_pe(batch * chunks * heads, 0.0);
   for_each_chunk(list, batch, dim, head_dim, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n,
-                                                 const ChunkRows& rows) {
+                                                 const ChunkRows& chunk_rows) {
     const int64_t h0 = d0 / head_dim, block_heads = n / head_dim, part = b * chunks + chunk;
     // Rows add into the current run's sums (accumulation type), folded into the float64 partials every kFoldRows.
     std::vector<acc> run(2 * n + block_heads, acc(0));
@@ -352,10 +356,10 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
     const acc* mb = mean + b * dim + d0;
     const double* text_stats = all_stats + (b * heads + h0) * 2;
     int64_t in_run = 0;
-    rows.each([&](int64_t l) {
+    chunk_rows.each([&](int64_t l) {
       const scalar_t* row = text + l * sl;
       for (int64_t hh = 0; hh < block_heads; ++hh) {
-        const int64_t offset = hh * head_dim, at = (b * heads + h0 + hh) * seq_len + l;
+        const int64_t offset = hh * head_dim, at = (b * row_batch + h0 + hh) * seq_len + l;
         const scalar_t* x = row + offset * sd;
         const acc p = probability(dot<false>(x, sd, nullptr, qb + offset, head_dim) * sc, text_stats + 2 * hh);
         const acc e = dot<true>(x, sd, mb + offset, gb + offset, head_dim) + (gw != nullptr ? gw[at] : acc(0));
@@ -396,12 +400,15 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
   });
   // Every row of grad_hidden once, split over rows: p g + scale p (e - S) q for a valid row, zeros elsewhere,
   // without reading hidden again.
-  const bool* is_valid = valid.defined() ? valid.const_data_ptr<bool>() : nullptr;
+  // (A packed batch's rows are [T, D], each row in the text text_of_row names.)
+  const bool* is_valid = rows.valid.defined() ? rows.valid.const_data_ptr<bool>() : nullptr;
+  const int64_t* text_of_row = rows.packed() ? rows.text_of_row.const_data_ptr<int64_t>() : nullptr;
   const int64_t grain = std::max<int64_t>(1, kMinParallelWork / dim);
-  at::parallel_for(0, batch * seq_len, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows.packed() ? seq_len : batch * seq_len, grain, [&](int64_t begin, int64_t end) {
     std::vector<acc> wide(std::is_same_v<scalar_t, acc> ? 0 : dim);
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t b = r / seq_len, l = r % seq_len;
+      const int64_t b = text_of_row != nullptr ? text_of_row[r] : r / seq_len;
+      const int64_t l = text_of_row != nullptr ? r : r % seq_len;
       scalar_t* dst = gh + r * dim;
       if (is_valid != nullptr && !is_valid[r]) {
         std::memset(static_cast<void*>(dst), 0, dim * sizeof(scalar_t));
@@ -409,7 +416,7 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
       }
       acc* row = wide.empty() ? reinterpret_cast<acc*>(dst) : wide.data();
       for (int64_t hh = 0; hh < heads; ++hh) {
-        const int64_t offset = hh * head_dim, at = (b * heads + hh) * seq_len + l;
+        const int64_t offset = hh * head_dim, at = (b * row_batch + hh) * seq_len + l;
         const acc coef = sc * prob[at] * (err[at] - text_sums[b * heads + hh]);
         combine(row + offset, prob[at], g + b * dim + offset, coef, q + offset, head_dim);
       }
@@ -430,18 +437,18 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
 
 }  // namespace
 
-void attention_forward(const at::Tensor& hidden, const at::Tensor& valid, const at::Tensor& query, double scale,
+void attention_forward(const at::Tensor& hidden, const AttentionRows& rows, const at::Tensor& query, double scale,
                        at::Tensor& out, at::Tensor& stats, at::Tensor& weights) {
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "attention_pool", [&] {
-    attention_forward_typed<scalar_t>(hidden, valid, query, scale, out, stats, weights);
+    attention_forward_typed<scalar_t>(hidden, rows, query, scale, out, stats, weights);
   });
 }
 
 void attention_backward(const at::Tensor& grad, const at::Tensor& grad_weights, const at::Tensor& hidden,
-                        const at::Tensor& valid, const at::Tensor& query, const at::Tensor& out,
+                        const AttentionRows& rows, const at::Tensor& query, const at::Tensor& out,
                         const at::Tensor& stats, double scale, at::Tensor& grad_hidden, at::Tensor& grad_query) {
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "attention_pool_backward", [&] {
-    attention_backward_typed<scalar_t>(grad, grad_weights, hidden, valid, query, out, stats, scale, grad_hidden,
+    attention_backward_typed<scalar_t>(grad, grad_weights, hidden, rows, query, out, stats, scale, grad_hidden,
                                        grad_query);
   });
 }

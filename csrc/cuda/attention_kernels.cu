@@ -707,20 +707,24 @@ void backward_typed(const at::Tensor& grad, const at::Tensor& grad_weights, cons
 
 }  // namespace
 
-void attention_forward(const at::Tensor& hidden, const at::Tensor& valid, const at::Tensor& query, double scale,
+// Padded batches only: the op layer pads a packed batch before it comes here (ops/attention_ops.cpp).
+void attention_forward(const at::Tensor& hidden, const AttentionRows& rows, const at::Tensor& query, double scale,
                        at::Tensor& out, at::Tensor& stats, at::Tensor& weights) {
+  TORCH_INTERNAL_ASSERT(!rows.packed(), "lmk_ops: the CUDA attention kernels take padded batches");
   const c10::cuda::CUDAGuard guard(hidden.device());
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "attention_pool", [&] {
-    forward_typed<scalar_t>(hidden, valid, query, scale, out, stats, weights);
+    forward_typed<scalar_t>(hidden, rows.listed.mask, query, scale, out, stats, weights);
   });
 }
 
 void attention_backward(const at::Tensor& grad, const at::Tensor& grad_weights, const at::Tensor& hidden,
-                        const at::Tensor& valid, const at::Tensor& query, const at::Tensor& out,
+                        const AttentionRows& rows, const at::Tensor& query, const at::Tensor& out,
                         const at::Tensor& stats, double scale, at::Tensor& grad_hidden, at::Tensor& grad_query) {
+  TORCH_INTERNAL_ASSERT(!rows.packed(), "lmk_ops: the CUDA attention kernels take padded batches");
   const c10::cuda::CUDAGuard guard(hidden.device());
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "attention_pool_backward", [&] {
-    backward_typed<scalar_t>(grad, grad_weights, hidden, valid, query, out, stats, scale, grad_hidden, grad_query);
+    backward_typed<scalar_t>(grad, grad_weights, hidden, rows.listed.mask, query, out, stats, scale, grad_hidden,
+                             grad_query);
   });
 }
 

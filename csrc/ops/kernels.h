@@ -11,6 +11,21 @@
 
 namespace lmk_ops {
 
+// The rows attention pooling reads and writes. Padded: listed.mask is the valid mask [B, L] (undefined: every row),
+// valid the same, text_of_row undefined. Packed (hidden a [B, T, D] view with batch stride 0, common/packed.h):
+// listed.positions lists each text's valid rows as absolute rows, valid marks the valid rows [T] (undefined: all),
+// text_of_row [T] (int64) names each row's text, and the per-row tensors (weights [H, T], grad_weights [H, T],
+// grad_hidden [T, D]) have no batch dimension.
+struct AttentionRows {
+  RowSelection listed;
+  at::Tensor valid;
+  at::Tensor text_of_row;
+
+  bool packed() const {
+    return text_of_row.defined();
+  }
+};
+
 struct Kernels {
   // Checks that every value of int64 values [rows, cols] (contiguous) lies in [lo, hi]. Else: "<expected>, got V at
   // [r, c]" (with landmarks: "<expected>, got V in row r (landmarks[r, c])") for the first value outside, raised at
@@ -31,18 +46,18 @@ struct Kernels {
   // grad [B, K, D] contiguous; every row of grad_hidden [B, L, D] (contiguous) written: the sum of the grad rows
   // listing it, in k order in the accumulation type, rounded once (zero when none does).
   void (*gather_backward)(const at::Tensor& grad, const at::Tensor& positions, at::Tensor& grad_hidden);
-  // Attention pooling. hidden [B, L, D] with any strides; valid: bool [B, L] contiguous, or undefined for every
-  // row; query [H, D / H] contiguous in the accumulation type. Writes every element of out [B, D] (hidden's
-  // dtype), the softmax statistics stats [B, H, 2] (float64 {max score, sum of exp(score - max)}) of every text
-  // with a valid row (the caller fills them with -inf first) and, when weights [B, H, L] (accumulation type,
-  // zero-filled) is defined, the probabilities of the valid rows.
-  void (*attention_forward)(const at::Tensor& hidden, const at::Tensor& valid, const at::Tensor& query, double scale,
-                            at::Tensor& out, at::Tensor& stats, at::Tensor& weights);
-  // grad [B, D], grad_weights [B, H, L] (or undefined) and out [B, D] (the forward's output) contiguous in the
-  // accumulation type; stats as the forward wrote them. Writes every element of grad_hidden [B, L, D] (hidden's dtype,
-  // contiguous) and of grad_query [H, D / H] (accumulation type).
+  // Attention pooling. hidden [B, L, D] with any strides; rows as AttentionRows says (bool tensors contiguous);
+  // query [H, D / H] contiguous in the accumulation type. Writes every element of out [B, D] (hidden's dtype), the
+  // softmax statistics stats [B, H, 2] (float64 {max score, sum of exp(score - max)}) of every text with a valid
+  // row (the caller fills them with -inf first) and, when weights ([B, H, L], packed [H, T]; accumulation type,
+  // zero-filled, contiguous) is defined, the probabilities of the valid rows.
+  void (*attention_forward)(const at::Tensor& hidden, const AttentionRows& rows, const at::Tensor& query,
+                            double scale, at::Tensor& out, at::Tensor& stats, at::Tensor& weights);
+  // grad [B, D], grad_weights (shaped as the weights, or undefined) and out [B, D] (the forward's output)
+  // contiguous in the accumulation type; stats as the forward wrote them. Writes every element of grad_hidden
+  // ([B, L, D], packed [T, D]; hidden's dtype, contiguous) and of grad_query [H, D / H] (accumulation type).
   void (*attention_backward)(const at::Tensor& grad, const at::Tensor& grad_weights, const at::Tensor& hidden,
-                             const at::Tensor& valid, const at::Tensor& query, const at::Tensor& out,
+                             const AttentionRows& rows, const at::Tensor& query, const at::Tensor& out,
                              const at::Tensor& stats, double scale, at::Tensor& grad_hidden, at::Tensor& grad_query);
 };
 

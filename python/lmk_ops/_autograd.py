@@ -145,43 +145,58 @@ def _landmark_gather_backward_backward(ctx, grad_grad_hidden):
     return ops.landmark_gather(grad_grad_hidden, positions, cu_seqlens), None, None, None
 
 
+# token_pool copies one row per text out: its backward is the gather's, at the positions it returns.
+def _token_pool_setup(ctx, inputs, output):
+    hidden, _, _, cu_seqlens, _ = inputs
+    ctx.seq_len = _seq_len(hidden, cu_seqlens)
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(output[1], cu_seqlens)
+
+
+def _token_pool_backward(ctx, grad, _grad_positions):
+    positions, cu_seqlens = ctx.saved_tensors
+    grad_hidden = ops.landmark_gather_backward(grad.unsqueeze(1), positions, ctx.seq_len, cu_seqlens)
+    return grad_hidden, None, None, None, None
+
+
 # attention_pool: the backward recomputes the probabilities from hidden, query and the saved softmax statistics
 # ([B, H, 2]: max score and sum of exp(score - max)), works relative to the output [B, D] for accuracy, and returns
 # the gradients of hidden and of query (the weights' gradient joins in when they were returned).
 def _attention_pool_setup(ctx, inputs, output):
-    hidden, mask, query, scale, return_weights = inputs
+    hidden, mask, query, scale, return_weights, cu_seqlens, _ = inputs
     out, stats, _ = output
     ctx.scale, ctx.return_weights = scale, return_weights
     ctx.mark_non_differentiable(stats)
-    ctx.save_for_backward(hidden, mask, query, out, stats)
+    ctx.save_for_backward(hidden, mask, query, out, stats, cu_seqlens)
 
 
 def _attention_pool_backward(ctx, grad, _grad_stats, grad_weights):
-    hidden, mask, query, out, stats = ctx.saved_tensors
+    hidden, mask, query, out, stats, cu_seqlens = ctx.saved_tensors
     grad_weights = grad_weights if ctx.return_weights else None
     grad_hidden, grad_query = ops.attention_pool_backward(grad, grad_weights, hidden, mask, query, out, stats,
-                                                          ctx.scale)
-    return grad_hidden, None, grad_query, None, None
+                                                          ctx.scale, cu_seqlens)
+    return grad_hidden, None, grad_query, None, None, None, None
 
 
 # attention_pool_backward is not linear in its inputs, and its derivatives are needed only for double backward
 # (gradient penalties, Hessian-vector products): they run through the plain-PyTorch reference, recomputed in the
 # accumulation type. Correct rather than fused.
 def _attention_pool_backward_setup(ctx, inputs, output):
-    grad, grad_weights, hidden, mask, query, _, _, scale = inputs
+    grad, grad_weights, hidden, mask, query, _, _, scale, cu_seqlens = inputs
     ctx.scale, ctx.has_grad_weights = scale, grad_weights is not None
-    ctx.save_for_backward(grad, grad_weights, hidden, mask, query)
+    ctx.save_for_backward(grad, grad_weights, hidden, mask, query, cu_seqlens)
 
 
 def _attention_pool_backward_backward(ctx, grad_grad_hidden, grad_grad_query):
-    grad, grad_weights, hidden, mask, query = ctx.saved_tensors
+    grad, grad_weights, hidden, mask, query, cu_seqlens = ctx.saved_tensors
     wide = accumulation_dtype(hidden.dtype)
     leaves = [t.detach().to(wide).requires_grad_() for t in (grad, hidden, query)]
     if ctx.has_grad_weights:
         leaves.append(grad_weights.detach().to(wide).requires_grad_())
     with torch.enable_grad():
         g, h, q = leaves[:3]
-        out, weights = reference.attention_pool(h, mask, q, scale=ctx.scale, return_weights=True)
+        out, weights = reference.attention_pool(h, mask, q, scale=ctx.scale, return_weights=True,
+                                                cu_seqlens=cu_seqlens)
         weights_grad = leaves[3].reshape(weights.shape) if ctx.has_grad_weights else torch.zeros_like(weights)
         upstream = (g, weights_grad)
         grad_h, grad_q = torch.autograd.grad((out, weights), (h, q), upstream, create_graph=True)
@@ -190,7 +205,7 @@ def _attention_pool_backward_backward(ctx, grad_grad_hidden, grad_grad_query):
     found = [torch.zeros_like(t) if f is None else f for f, t in zip(found, leaves)]
     d_grad, d_hidden, d_query = (f.to(t.dtype) for f, t in zip(found[:3], (grad, hidden, query)))
     d_grad_weights = found[3].to(grad_weights.dtype) if ctx.has_grad_weights else None
-    return d_grad, d_grad_weights, d_hidden, None, d_query, None, None, None
+    return d_grad, d_grad_weights, d_hidden, None, d_query, None, None, None, None
 
 
 for _name, _backward, _setup in [
@@ -202,6 +217,7 @@ for _name, _backward, _setup in [
     ("landmark_mean_backward", _landmark_mean_backward_backward, _landmark_mean_backward_setup),
     ("landmark_gather", _landmark_gather_backward, _landmark_gather_setup),
     ("landmark_gather_backward", _landmark_gather_backward_backward, _landmark_gather_backward_setup),
+    ("token_pool", _token_pool_backward, _token_pool_setup),
     ("attention_pool", _attention_pool_backward, _attention_pool_setup),
     ("attention_pool_backward", _attention_pool_backward_backward, _attention_pool_backward_setup),
 ]:

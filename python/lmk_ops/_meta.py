@@ -133,6 +133,19 @@ def _valid_mask_fake(mask, op):
     return mask.new_empty(mask.shape, dtype=torch.bool)
 
 
+@torch.library.register_fake("lmk_ops::token_pool")
+def _token_pool_fake(hidden, mask=None, last=False, cu_seqlens=None, max_seqlen=None):
+    op = "last_token_pool" if last else "first_token_pool"
+    if cu_seqlens is not None:
+        batch = check_packed(op, hidden, cu_seqlens, max_seqlen)
+        check_packed_mask(op, mask, hidden.shape[0], hidden)
+    else:
+        check_hidden(op, hidden)
+        batch = hidden.shape[0]
+        check_mask(op, mask, batch, hidden.shape[1], hidden)
+    return _pooled(hidden, batch), hidden.new_empty((batch, 1), dtype=torch.int64)
+
+
 @torch.library.register_fake("lmk_ops::packed_offsets")
 def _packed_offsets_fake(cu_seqlens, tokens, max_seqlen, op):
     check_offsets(op, cu_seqlens, cu_seqlens)
@@ -140,28 +153,43 @@ def _packed_offsets_fake(cu_seqlens, tokens, max_seqlen, op):
 
 
 @torch.library.register_fake("lmk_ops::attention_pool")
-def _attention_pool_fake(hidden, mask, query, scale=None, return_weights=False):
-    check_hidden("attention_pool", hidden)
-    heads, _ = check_query("attention_pool", query, hidden)
-    check_scale("attention_pool", scale)
-    check_mask("attention_pool", mask, hidden.shape[0], hidden.shape[1], hidden)
-    batch, seq_len = hidden.shape[0], hidden.shape[1]
-    weights = hidden.new_empty((batch, heads, seq_len) if return_weights else (0,),
-                               dtype=accumulation_dtype(hidden.dtype))
-    return _pooled(hidden), hidden.new_empty((batch, heads, 2), dtype=torch.float64), weights
+def _attention_pool_fake(hidden, mask, query, scale=None, return_weights=False, cu_seqlens=None, max_seqlen=None):
+    op = "attention_pool"
+    if cu_seqlens is not None:
+        batch = check_packed(op, hidden, cu_seqlens, max_seqlen)
+        seq_len = hidden.shape[0]
+        heads, _ = check_query(op, query, hidden.unsqueeze(0))
+        check_packed_mask(op, mask, seq_len, hidden)
+        weights_shape = (heads, seq_len)
+    else:
+        check_hidden(op, hidden)
+        heads, _ = check_query(op, query, hidden)
+        check_mask(op, mask, hidden.shape[0], hidden.shape[1], hidden)
+        batch, seq_len = hidden.shape[0], hidden.shape[1]
+        weights_shape = (batch, heads, seq_len)
+    check_scale(op, scale)
+    weights = hidden.new_empty(weights_shape if return_weights else (0,), dtype=accumulation_dtype(hidden.dtype))
+    return _pooled(hidden, batch), hidden.new_empty((batch, heads, 2), dtype=torch.float64), weights
 
 
 @torch.library.register_fake("lmk_ops::attention_pool_backward")
-def _attention_pool_backward_fake(grad_out, grad_weights, hidden, mask, query, out, stats, scale=None):
+def _attention_pool_backward_fake(grad_out, grad_weights, hidden, mask, query, out, stats, scale=None,
+                                  cu_seqlens=None):
     op = "attention_pool_backward"
-    check_hidden(op, hidden)
-    heads, _ = check_query(op, query, hidden)
+    if cu_seqlens is not None:
+        batch = check_packed(op, hidden, cu_seqlens)
+        (seq_len, dim), view = hidden.shape, hidden.unsqueeze(0)
+        check_packed_mask(op, mask, seq_len, hidden)
+    else:
+        check_hidden(op, hidden)
+        (batch, seq_len, dim), view = hidden.shape, hidden
+        check_mask(op, mask, batch, seq_len, hidden)
+    heads, _ = check_query(op, query, view)
     check_scale(op, scale)
-    batch, seq_len, dim = hidden.shape
     check_float_tensor(op, "grad_out", grad_out, (batch, dim), hidden)
     check_float_tensor(op, "out", out, (batch, dim), hidden)
     check_float_tensor(op, "stats", stats, (batch, heads, 2), hidden)
     if grad_weights is not None:
-        check_float_tensor(op, "grad_weights", grad_weights, (batch, heads, seq_len), hidden)
-    check_mask(op, mask, batch, seq_len, hidden)
+        shape = (heads, seq_len) if cu_seqlens is not None else (batch, heads, seq_len)
+        check_float_tensor(op, "grad_weights", grad_weights, shape, hidden)
     return hidden.new_empty(hidden.shape), query.new_empty(query.shape)

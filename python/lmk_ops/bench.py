@@ -32,9 +32,13 @@ ATTENTION_ENTRIES = {
     "attention_pool@1h": lambda dim: 1,
     "attention_pool@64d": lambda dim: dim // 64 if dim % 64 == 0 else 1,
 }
-REPORT_OPS = [*OPS, *LANDMARK_ENTRIES, *ATTENTION_ENTRIES, "insert_landmarks"]
+REPORT_OPS = [*OPS, *LANDMARK_ENTRIES, *ATTENTION_ENTRIES, "first_token_pool", "insert_landmarks"]
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 DEFAULT_SHAPES = "32x512x768,8x4096x1024,1x32768x1024"  # the last: one long text
+# Packed (cu_seqlens) rows: a batch of B texts of mixed lengths (drawn uniformly from [lo, hi], seeded) and width D,
+# written BxLO-HIxD.
+DEFAULT_PACKED = "120x16-2048x768"
+PACKED_OPS = ["mean_pool", "max_pool", "landmark_mean@32", "first_token_pool", "attention_pool@1h"]
 
 
 def make_inputs(shape, dtype, device, padding=0.0, seed=0):
@@ -66,6 +70,8 @@ def implementations(op: str) -> dict:
         ours, ref = OPS[op]
     elif op in ATTENTION_ENTRIES:
         ours, ref = _with_query(lmk_ops.attention_pool), _with_query(reference.attention_pool)
+    elif op == "first_token_pool":
+        ours, ref = lmk_ops.first_token_pool, reference.first_token_pool
     else:
         ours, ref = lmk_ops.landmark_mean, reference.landmark_mean
     return {"lmk_ops": ours, "eager": ref, "compiled": torch.compile(ref, dynamic=False)}
@@ -191,6 +197,108 @@ def bench_case(op, dtype_name, shape, device, padding) -> list[Row]:
     return results
 
 
+def packed_lengths(spec) -> list[int]:
+    batch, (lo, hi) = spec[0], spec[1]
+    return torch.randint(lo, hi + 1, (batch,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def packed_contenders(op: str, hidden, offsets, landmarks):
+    """Plain-PyTorch ways of pooling the packed batch (lmk_ops.reference): None where a contender has no version."""
+    if op == "mean_pool":
+        return {"segment_reduce": lambda: reference.segment_mean(hidden, offsets),
+                "index_add": lambda: reference.index_add_mean(hidden, offsets),
+                "index_add_fp32": lambda: reference.index_add_mean(hidden, offsets, torch.float32)}
+    if op == "max_pool":
+        return {"segment_reduce": lambda: reference.segment_max(hidden, offsets),
+                "index_add": lambda: reference.scatter_max(hidden, offsets), "index_add_fp32": None}
+    if op == "landmark_mean@32":
+        return {"segment_reduce": None,
+                "index_add": lambda: reference.index_add_mean(hidden, offsets, rows=landmarks),
+                "index_add_fp32": lambda: reference.index_add_mean(hidden, offsets, torch.float32, landmarks)}
+    if op == "first_token_pool":  # sentence-transformers' flattened cls: the row at each text's start
+        return {"segment_reduce": None, "index_add": lambda: hidden[offsets[:-1].long()], "index_add_fp32": None}
+    return {"segment_reduce": None, "index_add": None, "index_add_fp32": None}
+
+
+@dataclass
+class PackedRow:
+    op: str
+    dtype: str
+    batch: str  # "B texts, T x D"
+    lmk_ops_ms: float  # packed
+    padded_ms: float  # lmk_ops on the same texts padded (right) to the longest
+    segment_reduce_ms: float | None
+    index_add_ms: float | None  # in hidden's dtype (sentence-transformers' flattened method; max: scatter_reduce)
+    index_add_fp32_ms: float | None  # accumulating in float32 (vLLM's)
+    floor_ms: float  # hidden.sum() on the packed [T, D]
+
+    @property
+    def x_floor(self) -> float:
+        return self.lmk_ops_ms / self.floor_ms
+
+    @property
+    def vs_best(self) -> float | None:
+        times = [t for t in (self.segment_reduce_ms, self.index_add_ms, self.index_add_fp32_ms) if t is not None]
+        return min(times) / self.lmk_ops_ms if times else None
+
+    @property
+    def vs_padded(self) -> float:
+        return self.padded_ms / self.lmk_ops_ms
+
+
+def bench_packed(op, dtype_name, spec, device) -> PackedRow:
+    lengths = packed_lengths(spec)
+    dtype, dim = DTYPES[dtype_name], spec[2]
+    tokens = sum(lengths)
+    hidden = torch.randn(tokens, dim, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    padded, valid = reference.unpack(hidden, None, offsets)
+    longest = max(lengths)
+    packed_kw = {"cu_seqlens": offsets, "max_seqlen": longest}
+    landmarks = landmark_layout(valid, 32)[valid] if op == "landmark_mean@32" else None
+    if op == "landmark_mean@32":
+        ours = lambda: lmk_ops.landmark_mean(hidden, landmarks, **packed_kw)  # noqa: E731
+        theirs = lambda: lmk_ops.landmark_mean(padded, landmark_layout(valid, 32))  # noqa: E731
+    elif op == "attention_pool@1h":
+        query = torch.randn(dim, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+        ours = lambda: lmk_ops.attention_pool(hidden, None, query, **packed_kw)  # noqa: E731
+        theirs = lambda: lmk_ops.attention_pool(padded, valid, query)  # noqa: E731
+    else:
+        fn = getattr(lmk_ops, op)
+        ours = lambda: fn(hidden, **packed_kw)  # noqa: E731
+        theirs = lambda: fn(padded, valid)  # noqa: E731
+    with torch.no_grad():
+        floor_before = time_ms(lambda: hidden.sum(), device)
+        times = {"ours": time_ms(ours, device), "padded": time_ms(theirs, device)}
+        for name, f in packed_contenders(op, hidden, offsets, landmarks).items():
+            times[name] = time_ms(f, device) if f is not None else None
+        floor = min(floor_before, time_ms(lambda: hidden.sum(), device))
+    return PackedRow(op, dtype_name, f"{len(lengths)} texts, {tokens}x{dim}", times["ours"], times["padded"],
+                     times["segment_reduce"], times["index_add"], times["index_add_fp32"], floor)
+
+
+PACKED_HEADER = (f"{'packed op':<18} {'dtype':<9} {'batch':<22} {'lmk_ops':>9} {'padded':>9} {'seg_red':>9} "
+                 f"{'idx_add':>9} {'idx_f32':>9} {'x floor':>8} {'vs best':>8} {'vs padded':>9}")
+
+
+def format_packed_row(r: PackedRow) -> str:
+    return (f"{r.op:<18} {r.dtype:<9} {r.batch:<22} {r.lmk_ops_ms:8.3f}m {r.padded_ms:8.3f}m "
+            f"{_cell(r.segment_reduce_ms, '8.3f', 9, 'm')} {_cell(r.index_add_ms, '8.3f', 9, 'm')} "
+            f"{_cell(r.index_add_fp32_ms, '8.3f', 9, 'm')} {r.x_floor:7.2f}x {_cell(r.vs_best, '7.2f', 8, 'x')} "
+            f"{r.vs_padded:8.2f}x")
+
+
+def parse_packed(text: str):
+    """BxLO-HIxD, e.g. 120x16-2048x768 (or "none")."""
+    if text == "none":
+        return None
+    parts = text.lower().split("x")
+    span = parts[1].split("-") if len(parts) == 3 else []
+    if len(span) != 2 or not all(p.isdigit() for p in [parts[0], *span, parts[2]]) or int(span[0]) > int(span[1]):
+        raise argparse.ArgumentTypeError(f"expected a packed batch like 120x16-2048x768 (or none), got {text!r}")
+    return int(parts[0]), (int(span[0]), int(span[1])), int(parts[2])
+
+
 HEADER = (f"{'op':<18} {'dtype':<9} {'shape':<13} {'mode':<16} {'lmk_ops':>9} {'eager':>9} {'compiled':>9} "
           f"{'vs eager':>9} {'vs comp.':>9} {'GB/s':>7} {'x floor':>8} {'vs mean_pool':>12}")
 
@@ -249,6 +357,9 @@ def main(argv=None) -> int:
                         help=f"comma-separated, from {','.join(REPORT_OPS)} (default: all)")
     parser.add_argument("--padding", type=float, default=0.0,
                         help="share of each sequence that is padding, masked out (default 0: every token valid)")
+    parser.add_argument("--packed", type=parse_packed, default=parse_packed(DEFAULT_PACKED),
+                        help=f"the packed batch of the packed rows, BxLO-HIxD (default {DEFAULT_PACKED}; none: no "
+                             "packed rows)")
     parser.add_argument("--json", metavar="PATH", help="also write the results and the machine's details here")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -274,7 +385,18 @@ def main(argv=None) -> int:
             rows.append(row)
             print(format_row(row), flush=True)
         torch._dynamo.reset()  # keep compiled graphs of finished cases from piling up
-    print(f"\n{len(cases)} cases in {time.perf_counter() - started:.0f} s")
+    packed_rows = []
+    packed_cases = [(op, dt) for op in PACKED_OPS if op in args.ops for dt in args.dtype] if args.packed else []
+    if packed_cases:
+        print(f"\npacked batches (cu_seqlens): 'padded' = lmk_ops on the same texts padded; seg_red, idx_add, idx_f32 ="
+              " torch.segment_reduce, index_add in hidden's dtype, index_add in float32 (lmk_ops.reference); 'vs "
+              "best' = fastest of those / lmk_ops\n")
+        print(PACKED_HEADER, flush=True)
+    for i, (op, dt) in enumerate(packed_cases, 1):
+        print(f"  [packed {i}/{len(packed_cases)}] {op} {dt} ...", end="\r", file=sys.stderr, flush=True)
+        packed_rows.append(bench_packed(op, dt, args.packed, args.device))
+        print(format_packed_row(packed_rows[-1]), flush=True)
+    print(f"\n{len(cases) + len(packed_cases)} cases in {time.perf_counter() - started:.0f} s")
 
     if args.json:
         report = {
@@ -284,6 +406,8 @@ def main(argv=None) -> int:
             "padding": args.padding,
             "rows": [asdict(r) | {"vs_eager": r.vs_eager, "vs_compiled": r.vs_compiled, "x_floor": r.x_floor,
                                   "vs_mean_pool": r.vs_mean_pool} for r in rows],
+            "packed_rows": [asdict(r) | {"x_floor": r.x_floor, "vs_best": r.vs_best, "vs_padded": r.vs_padded}
+                            for r in packed_rows],
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

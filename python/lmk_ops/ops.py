@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ._checks import check_call, check_hidden, check_landmarks, check_mask, check_packed, check_packed_landmarks
+from ._checks import check_call, check_hidden, check_landmarks, check_packed, check_packed_landmarks
 from ._checks import check_packed_mask, fail
 
 __all__ = [
@@ -220,41 +220,16 @@ def _valid_rows(op: str, mask: Tensor | None, shape, like: Tensor) -> Tensor:
     return torch.ops.lmk_ops.valid_mask(mask.view(1, -1) if len(shape) == 1 else mask, op).view(shape)
 
 
-def _token_positions(op: str, hidden: Tensor, mask: Tensor | None, last: bool,
-                     cu_seqlens: Tensor | None = None, max_seqlen: int | None = None) -> Tensor:
-    """int64 [B, 1]: the first (or last) valid position of each text, -1 for a text with none."""
-    check_call(op, hidden, mask, cu_seqlens)
-    if cu_seqlens is not None:
-        check_packed(op, hidden, cu_seqlens)
-        tokens = hidden.shape[0]
-        check_packed_mask(op, mask, tokens, hidden)
-        valid = _valid_rows(op, mask, (tokens,), hidden)
-        starts, _, text = _packed_texts(cu_seqlens, tokens, op, max_seqlen)
-        rows = torch.arange(tokens, device=hidden.device)
-        # The smallest (largest) valid row of each text; a text with none keeps the sentinel.
-        sentinel = -1 if last else tokens
-        found = torch.full_like(starts, sentinel).scatter_reduce(
-            0, text, torch.where(valid, rows, sentinel), "amax" if last else "amin")
-        return torch.where(found == sentinel, -1, found - starts).unsqueeze(1)
-    check_hidden(op, hidden)
-    batch, seq_len = hidden.shape[0], hidden.shape[1]
-    check_mask(op, mask, batch, seq_len, hidden)
-    valid = _valid_rows(op, mask, (batch, seq_len), hidden)
-    order = valid.flip(1) if last else valid
-    found = order.to(torch.uint8).argmax(1) if seq_len else torch.zeros(batch, dtype=torch.long, device=hidden.device)
-    position = seq_len - 1 - found if last else found
-    return torch.where(valid.any(1), position, -1).unsqueeze(1)
-
-
 def first_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: Tensor | None = None,
                      max_seqlen: int | None = None) -> Tensor:
-    """The state of each text's first valid token (CLS pooling), whatever the padding side.
+    """The state of each text's first valid token (CLS pooling), whatever the padding side. One op: finds the row
+    and copies it.
 
     Args and errors as :func:`mean_pool` (packed batches too). Returns ``[B, D]``; a text with no valid token gives
     zeros. The gradient goes to that one token.
     """
-    positions = _token_positions("first_token_pool", hidden, mask, False, cu_seqlens, max_seqlen)
-    return torch.ops.lmk_ops.landmark_gather(hidden, positions, cu_seqlens).squeeze(1)
+    check_call("first_token_pool", hidden, mask, cu_seqlens)
+    return torch.ops.lmk_ops.token_pool(hidden, mask, False, cu_seqlens, max_seqlen)[0]
 
 
 def last_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: Tensor | None = None,
@@ -264,8 +239,8 @@ def last_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: T
     Args and errors as :func:`mean_pool` (packed batches too). Returns ``[B, D]``; a text with no valid token gives
     zeros.
     """
-    positions = _token_positions("last_token_pool", hidden, mask, True, cu_seqlens, max_seqlen)
-    return torch.ops.lmk_ops.landmark_gather(hidden, positions, cu_seqlens).squeeze(1)
+    check_call("last_token_pool", hidden, mask, cu_seqlens)
+    return torch.ops.lmk_ops.token_pool(hidden, mask, True, cu_seqlens, max_seqlen)[0]
 
 
 def _packed_as_padded(op: str, hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor, max_seqlen: int | None):
@@ -283,7 +258,7 @@ def _packed_as_padded(op: str, hidden: Tensor, mask: Tensor | None, cu_seqlens: 
     valid = inside if mask is None or tokens == 0 else inside & _valid_rows(op, mask, (tokens,), hidden)[rows]
     if tokens == 0:  # nothing to index; + hidden.sum() (an exact 0) keeps the result in hidden's autograd graph
         return hidden.new_zeros(starts.shape[0], max_seqlen, hidden.shape[1]) + hidden.sum(), valid
-    return hidden[rows], valid
+    return hidden.index_select(0, rows.flatten()).view(*rows.shape, hidden.shape[1]), valid
 
 
 def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale: float | None = None,
@@ -303,8 +278,8 @@ def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale:
         scale: multiplies the scores ``<hidden[b, l, slice_h], query[h]>``; default ``1 / sqrt(D // H)``.
         return_weights: also return the probabilities, differentiable.
         cu_seqlens, max_seqlen: a packed batch, as for :func:`mean_pool`; the weights are then ``[T]`` or
-            ``[H, T]``. (For now the packed batch is copied into padded form, ``[B, max_seqlen, D]``, and pooled
-            by the padded kernels: same bits, but not yet the packed layout's memory saving.)
+            ``[H, T]``. (On CUDA, for now, a packed batch is copied into padded form ``[B, longest, D]`` for the
+            padded kernels: the same bits, not yet the packed layout's memory saving.)
 
     Returns:
         ``[B, D]`` in hidden's dtype: per head, the probability-weighted sum of its slice, with the softmax in
@@ -321,14 +296,8 @@ def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale:
     if isinstance(scale, Tensor):
         fail("attention_pool", "expected scale as a Python number, got a tensor (a scale is not learned: a "
                                "learned one is the query's norm, so fold it into the query)")
-    tokens = hidden.shape[0]
-    if cu_seqlens is not None:
-        hidden, mask = _packed_as_padded("attention_pool", hidden, mask, cu_seqlens, max_seqlen)
-    out, _, weights = torch.ops.lmk_ops.attention_pool(hidden, mask, query, scale, return_weights)
+    out, _, weights = torch.ops.lmk_ops.attention_pool(hidden, mask, query, scale, return_weights, cu_seqlens,
+                                                       max_seqlen)
     if not return_weights:
         return out
-    if cu_seqlens is not None:  # [B, H, W] back to [H, T]: row t is slot (its text, t - the text's start)
-        starts, _, text = _packed_texts(cu_seqlens, tokens)
-        weights = weights[text, :, torch.arange(tokens, device=text.device) - starts[text]].T
-        return out, weights.squeeze(0) if query.dim() == 1 else weights
-    return out, weights.squeeze(1) if query.dim() == 1 else weights
+    return out, weights.squeeze(-2 if cu_seqlens is None else 0) if query.dim() == 1 else weights

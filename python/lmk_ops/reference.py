@@ -8,7 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["attention_pool", "insert_landmarks", "landmark_gather", "landmark_mean", "max_pool", "mean_pool"]
+__all__ = [
+    "attention_pool", "first_token_pool", "index_add_mean", "insert_landmarks", "last_token_pool", "landmark_gather", "landmark_mean", "max_pool", "mean_pool",
+    "scatter_max", "segment_max", "segment_mean", "unpack",
+]
 
 
 def _valid(hidden: Tensor, mask: Tensor | None) -> Tensor:
@@ -44,6 +47,21 @@ def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = Fa
     return values
 
 
+def first_token_pool(hidden: Tensor, mask: Tensor | None = None) -> Tensor:
+    """The first valid token's state (zeros for a text with none), as sentence-transformers' cls pooling finds it."""
+    valid = _valid(hidden, mask)
+    index = valid.to(torch.int).argmax(dim=1)
+    picked = hidden.gather(1, index.view(-1, 1, 1).expand(-1, 1, hidden.shape[2])).squeeze(1)
+    return picked * valid.any(dim=1, keepdim=True).to(hidden.dtype)
+
+
+def last_token_pool(hidden: Tensor, mask: Tensor | None = None) -> Tensor:
+    valid = _valid(hidden, mask)
+    index = hidden.shape[1] - 1 - valid.flip(1).to(torch.int).argmax(dim=1)
+    picked = hidden.gather(1, index.view(-1, 1, 1).expand(-1, 1, hidden.shape[2])).squeeze(1)
+    return picked * valid.any(dim=1, keepdim=True).to(hidden.dtype)
+
+
 def _positions(landmarks: Tensor) -> Tensor:
     """int64 positions [B, K] padded with -1 from either landmark form (a bool mask: a loop over rows)."""
     if landmarks.dtype != torch.bool:
@@ -75,7 +93,15 @@ def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False)
 
 
 def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale: float | None = None,
-                   return_weights: bool = False):
+                   return_weights: bool = False, cu_seqlens: Tensor | None = None):
+    if cu_seqlens is not None:  # through the padded layout; the weights come back as [T] / [H, T]
+        padded, valid, text, slot = _padded_view(hidden, mask, cu_seqlens)
+        result = attention_pool(padded, valid, query, scale=scale, return_weights=return_weights)
+        if not return_weights:
+            return result
+        out, weights = result
+        weights = weights[text, slot] if query.dim() == 1 else weights[text, :, slot].T
+        return out, weights
     batch, seq_len, dim = hidden.shape
     heads = query if query.dim() == 2 else query.unsqueeze(0)
     head_dim = heads.shape[1]
@@ -137,3 +163,74 @@ def insert_landmarks(input_ids: Tensor, attention_mask: Tensor | None = None, *,
         out_mask[b, span] = 1
         out_landmarks[b, span] = torch.tensor(flags, dtype=torch.bool)
     return out_ids, out_mask, out_landmarks
+
+
+# Packed (cu_seqlens) batches: the references unpack to the padded layout; and the ways people pool packed batches in
+# plain PyTorch, which the benchmark report compares with.
+
+def unpack(hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+    """A packed batch ([T, D], a [T] mask or None, offsets [B + 1]) as padded [B, W, D] and a bool [B, W] mask, W
+    the longest text (padding rows zero)."""
+    offsets = cu_seqlens.long().tolist()
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    width = max(lengths, default=0)
+    padded = hidden.new_zeros(len(lengths), width, hidden.shape[-1])
+    valid = torch.zeros(len(lengths), width, dtype=torch.bool, device=hidden.device)
+    for b, (start, n) in enumerate(zip(offsets, lengths)):
+        padded[b, :n] = hidden[start:start + n]
+        valid[b, :n] = True if mask is None else mask[start:start + n] != 0
+    return padded, valid
+
+
+def _padded_view(hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor):
+    """unpack, differentiable in hidden: (padded [B, W, D], valid [B, W], each row's text [T] and slot [T])."""
+    offsets = cu_seqlens.long()
+    starts, lengths = offsets[:-1], offsets[1:] - offsets[:-1]
+    width = int(lengths.max()) if lengths.numel() else 0
+    column = torch.arange(width, device=hidden.device)
+    inside = column < lengths.unsqueeze(1)
+    rows = torch.where(inside, starts.unsqueeze(1) + column, hidden.shape[0])  # padding reads an appended zero row
+    extended = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])
+    padded = extended.index_select(0, rows.flatten()).view(*rows.shape, hidden.shape[1])
+    valid = inside if mask is None else inside & torch.cat([mask != 0, mask.new_zeros(1, dtype=torch.bool)])[rows]
+    text = torch.repeat_interleave(torch.arange(starts.shape[0], device=hidden.device), lengths,
+                                   output_size=hidden.shape[0])
+    return padded, valid, text, torch.arange(hidden.shape[0], device=hidden.device) - starts[text]
+
+
+def segment_mean(hidden: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """torch.segment_reduce's mean, in hidden's dtype."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return torch.segment_reduce(hidden, "mean", lengths=lengths, unsafe=True)
+
+
+def segment_max(hidden: Tensor, cu_seqlens: Tensor) -> Tensor:
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return torch.segment_reduce(hidden, "max", lengths=lengths, unsafe=True)
+
+
+def _segment_ids(cu_seqlens: Tensor, tokens: int) -> Tensor:
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return torch.repeat_interleave(torch.arange(lengths.shape[0], device=cu_seqlens.device), lengths,
+                                   output_size=tokens)
+
+
+def index_add_mean(hidden: Tensor, cu_seqlens: Tensor, accumulate: torch.dtype | None = None,
+                   rows: Tensor | None = None) -> Tensor:
+    """The mean per text by index_add: in hidden's dtype (sentence-transformers' flattened mean in its older form)
+    or in `accumulate` (vLLM's, float32); rows (bool [T]), when given, restricts it to those rows (landmarks)."""
+    dtype = accumulate or hidden.dtype
+    segments = _segment_ids(cu_seqlens, hidden.shape[0])
+    if rows is not None:
+        hidden, segments = hidden[rows], segments[rows]
+    sums = hidden.new_zeros(cu_seqlens.shape[0] - 1, hidden.shape[-1], dtype=dtype).index_add_(
+        0, segments, hidden.to(dtype))
+    counts = torch.bincount(segments, minlength=sums.shape[0]).clamp_min(1).unsqueeze(1)
+    return (sums / counts).to(hidden.dtype)
+
+
+def scatter_max(hidden: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """The max per text by scatter_reduce (sentence-transformers' flattened max)."""
+    segments = _segment_ids(cu_seqlens, hidden.shape[0]).unsqueeze(1).expand_as(hidden)
+    out = hidden.new_full((cu_seqlens.shape[0] - 1, hidden.shape[-1]), float("-inf"))
+    return out.scatter_reduce(0, segments, hidden, reduce="amax")

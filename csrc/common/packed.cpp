@@ -53,6 +53,21 @@ at::Tensor PackedBatch::relative(const at::Tensor& rows) const {
 
 at::Tensor PackedBatch::list_rows(const at::Tensor& selected) const {
   const int64_t k = width();
+  if (offsets.is_cpu()) {  // one pass over the rows, where the ATen form below takes several
+    at::Tensor rows = at::full({batch, k}, -1, offsets.options());
+    const int64_t* o = offsets.const_data_ptr<int64_t>();
+    const bool* s = selected.defined() ? selected.const_data_ptr<bool>() : nullptr;
+    int64_t* out = rows.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      int64_t* listed = out + b * k;
+      for (int64_t t = o[b], j = 0; t < o[b + 1]; ++t) {
+        if ((s == nullptr || s[t]) && j < k) {  // (k is at least each text's length: checked in the forward)
+          listed[j++] = t;
+        }
+      }
+    }
+    return rows;
+  }
   if (!selected.defined()) {
     const at::Tensor column = at::arange(k, offsets.options()).unsqueeze(0);
     return at::where(column.lt(lengths.unsqueeze(1)), column + starts.unsqueeze(1), -1).contiguous();

@@ -112,17 +112,21 @@ def check_positions(op: str, positions: torch.Tensor, batch, like: torch.Tensor)
         fail(op, f"expected landmark positions of shape [B, K] = [{batch}, K], got {_shape(positions)}")
 
 
-def check_landmarks(op: str, landmarks: torch.Tensor, batch, seq_len, like: torch.Tensor) -> None:
+def check_landmarks(op: str, landmarks: torch.Tensor, batch, seq_len, like: torch.Tensor, packed: bool = False) -> None:
+    """A landmark mask [B, L] ([T] for a packed batch of seq_len = T rows) or int64 positions [B, K]."""
+    mask_shape = "[T]" if packed else "[B, L]"
     if landmarks.dtype not in (torch.bool, torch.int64):
-        fail(op, "expected landmarks as a bool mask [B, L] or int64 positions [B, K] padded with -1, got "
-             f"{dtype_name(landmarks.dtype)}")
+        fail(op, f"expected {'packed ' if packed else ''}landmarks as a bool mask {mask_shape} or int64 positions "
+             f"[B, K] padded with -1, got {dtype_name(landmarks.dtype)}")
     if landmarks.dtype == torch.int64:
         check_positions(op, landmarks, batch, like)
         return
     if landmarks.device != like.device:
         fail(op, f"expected landmarks on the same device as hidden ({like.device}), got {landmarks.device}")
-    if landmarks.dim() != 2 or landmarks.shape[0] != batch or landmarks.shape[1] != seq_len:
-        fail(op, f"expected a landmark mask of shape [B, L] = [{batch}, {seq_len}], got {_shape(landmarks)}")
+    expected = (seq_len,) if packed else (batch, seq_len)
+    if tuple(landmarks.shape) != expected:
+        fail(op, f"expected a {'packed ' if packed else ''}landmark mask of shape {mask_shape} = "
+                 f"[{', '.join(str(s) for s in expected)}], got {_shape(landmarks)}")
 
 
 def check_query(op: str, query: torch.Tensor, hidden: torch.Tensor) -> tuple[int, int]:
@@ -189,16 +193,3 @@ def check_packed_mask(op: str, mask: torch.Tensor | None, tokens, like: torch.Te
         fail(op, f"expected a packed mask of shape [T] = [{tokens}], got {_shape(mask)}")
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
         fail(op, f"expected mask of dtype bool or an integer dtype holding 0/1, got {dtype_name(mask.dtype)}")
-
-
-def check_packed_landmarks(op: str, landmarks: torch.Tensor, batch, tokens, like: torch.Tensor) -> None:
-    if landmarks.dtype not in (torch.bool, torch.int64):
-        fail(op, "expected packed landmarks as a bool mask [T] or int64 positions [B, K] padded with -1, got "
-             f"{dtype_name(landmarks.dtype)}")
-    if landmarks.dtype == torch.int64:
-        check_positions(op, landmarks, batch, like)
-        return
-    if landmarks.device != like.device:
-        fail(op, f"expected landmarks on the same device as hidden ({like.device}), got {landmarks.device}")
-    if landmarks.dim() != 1 or landmarks.shape[0] != tokens:
-        fail(op, f"expected a packed landmark mask of shape [T] = [{tokens}], got {_shape(landmarks)}")

@@ -6,7 +6,7 @@ import torch
 
 from ._checks import accumulation_dtype, check_float_tensor, check_grad, check_grad_dtype, check_hidden
 from ._checks import check_landmarks, check_mask, check_pooled_grad, check_positions, check_query, check_scale
-from ._checks import check_offsets, check_packed, check_packed_landmarks, check_packed_mask, dtype_name, fail
+from ._checks import check_offsets, check_packed, check_packed_mask, dtype_name, fail
 
 
 def _unnormalized(hidden, normalize: bool, batch=None):
@@ -83,7 +83,7 @@ def _max_pool_backward_fake(grad_out, argmax, seq_len, cu_seqlens=None):
 def _landmark_mean_fake(hidden, landmarks, normalize=False, cu_seqlens=None, max_seqlen=None):
     if cu_seqlens is not None:
         batch = check_packed("landmark_mean", hidden, cu_seqlens, max_seqlen)
-        check_packed_landmarks("landmark_mean", landmarks, batch, hidden.shape[0], hidden)
+        check_landmarks("landmark_mean", landmarks, batch, hidden.shape[0], hidden, packed=True)
         return _pooled(hidden, batch), _unnormalized(hidden, normalize, batch)
     check_hidden("landmark_mean", hidden)
     check_landmarks("landmark_mean", landmarks, hidden.shape[0], hidden.shape[1], hidden)
@@ -97,7 +97,7 @@ def _landmark_mean_backward_fake(grad_out, landmarks, seq_len, dtype=None, cu_se
     check_grad_dtype(op, dtype)
     _check_packed_grad(op, grad_out, cu_seqlens)
     if cu_seqlens is not None:
-        check_packed_landmarks(op, landmarks, grad_out.shape[0], seq_len, grad_out)
+        check_landmarks(op, landmarks, grad_out.shape[0], seq_len, grad_out, packed=True)
     else:
         check_landmarks(op, landmarks, grad_out.shape[0], seq_len, grad_out)
     return _unpooled(grad_out, seq_len, dtype, cu_seqlens)

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ._checks import check_call, check_hidden, check_landmarks, check_packed, check_packed_landmarks
+from ._checks import check_call, check_hidden, check_landmarks, check_packed
 from ._checks import check_packed_mask, fail
 
 __all__ = [
@@ -196,7 +196,7 @@ def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | N
     if cu_seqlens is not None:
         batch = check_packed(op, hidden, cu_seqlens)
         if isinstance(landmarks, Tensor) and landmarks.dtype == torch.bool:
-            check_packed_landmarks(op, landmarks, batch, hidden.shape[0], hidden)
+            check_landmarks(op, landmarks, batch, hidden.shape[0], hidden, packed=True)
             landmarks = landmark_positions(landmarks, num_landmarks, cu_seqlens=cu_seqlens)
     else:
         check_hidden(op, hidden)

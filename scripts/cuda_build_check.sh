@@ -33,11 +33,12 @@ import lmk_ops
 
 info = lmk_ops.build_info()
 assert info["cuda"], f"lmk_ops was built without CUDA: {info}"
-ops = ["mean_pool", "max_pool", "landmark_mean", "landmark_gather", "attention_pool"]
-missing = [f"{op}{suffix}" for op in ops for suffix in ("", "_backward")
-           if not torch._C._dispatch_has_kernel_for_dispatch_key(f"lmk_ops::{op}{suffix}", "CUDA")]
+pooling = ["mean_pool", "max_pool", "landmark_mean", "landmark_gather", "attention_pool"]
+ops = [f"{op}{suffix}" for op in pooling for suffix in ("", "_backward")]
+ops += ["token_pool", "valid_mask", "packed_offsets"]
+missing = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(f"lmk_ops::{op}", "CUDA")]
 assert not missing, f"no CUDA kernel registered for: {missing}"
 print(f"cuda_build_check: lmk_ops {info['version']} built against torch {torch.__version__} "
-      f"(CUDA {torch.version.cuda}); CUDA kernels registered for all {2 * len(ops)} ops; "
+      f"(CUDA {torch.version.cuda}); CUDA kernels registered for all {len(ops)} ops; "
       f"GPU present: {torch.cuda.is_available()}")
 PY

@@ -61,7 +61,8 @@ TORCH_LIBRARY(lmk_ops, m) {
       tags);
   m.def(
       "attention_pool_backward(Tensor grad_out, Tensor? grad_weights, Tensor hidden, Tensor? mask, Tensor query, "
-      "Tensor out, Tensor stats, float? scale=None, Tensor? cu_seqlens=None) -> (Tensor, Tensor)",
+      "Tensor out, Tensor stats, float? scale=None, Tensor? cu_seqlens=None, SymInt? max_seqlen=None) -> "
+      "(Tensor, Tensor)",
       tags);
 }
 

@@ -220,6 +220,13 @@ def test_opcheck_packed_ops(device):
         torch.library.opcheck(ops.landmark_mean.default, (hidden, mask, normalize, offsets))
         torch.library.opcheck(ops.landmark_mean.default, (hidden, positions, normalize, offsets, 5))
     torch.library.opcheck(ops.landmark_gather.default, (hidden, positions, offsets))
+    query = torch.randn(5, device=device, requires_grad=True)
+    for weights in (False, True):
+        torch.library.opcheck(ops.attention_pool.default, (hidden, mask, query, None, weights, offsets, 5))
+    out, stats, _ = ops.attention_pool(hidden.detach(), mask, query.detach(), None, False, offsets)
+    grad_out = torch.randn(3, 5, device=device, requires_grad=True)
+    torch.library.opcheck(ops.attention_pool_backward.default,
+                          (grad_out, torch.randn(1, 9, device=device), hidden, mask, query, out, stats, None, offsets, 5))
     for last in (False, True):
         torch.library.opcheck(ops.token_pool.default, (hidden, mask, last, offsets, 5))
         torch.library.opcheck(ops.token_pool.default, (hidden.view(3, 3, 5), mask.view(3, 3), last))

@@ -134,13 +134,14 @@ std::tuple<at::Tensor, at::Tensor> attention_backward(const at::Tensor& grad, co
 std::tuple<at::Tensor, at::Tensor> attention_pool_backward(
     const at::Tensor& grad, const std::optional<at::Tensor>& grad_weights, const at::Tensor& hidden_in,
     const std::optional<at::Tensor>& mask, const at::Tensor& query, const at::Tensor& out,
-    const at::Tensor& stats, std::optional<double> scale, const std::optional<at::Tensor>& cu_seqlens) {
+    const at::Tensor& stats, std::optional<double> scale, const std::optional<at::Tensor>& cu_seqlens,
+    std::optional<int64_t> max_seqlen) {
   constexpr const char* op = "attention_pool_backward";
   const at::Tensor hidden = unit_feature_stride(hidden_in);
   const bool has_grad_weights = grad_weights.has_value() && grad_weights->defined();
   if (cu_seqlens.has_value()) {
     check_packed_hidden(op, hidden);
-    const PackedBatch packed = prepare_packed(op, hidden.size(0), hidden, *cu_seqlens, std::nullopt, Values::kTrusted);
+    const PackedBatch packed = prepare_packed(op, hidden.size(0), hidden, *cu_seqlens, max_seqlen, Values::kTrusted);
     const at::Tensor view = packed.batch_view(hidden);
     const Heads heads = check_query(op, query, view);
     const double s = resolve_scale(op, scale, heads.dim);

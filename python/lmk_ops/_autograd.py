@@ -163,9 +163,9 @@ def _token_pool_backward(ctx, grad, _grad_positions):
 # ([B, H, 2]: max score and sum of exp(score - max)), works relative to the output [B, D] for accuracy, and returns
 # the gradients of hidden and of query (the weights' gradient joins in when they were returned).
 def _attention_pool_setup(ctx, inputs, output):
-    hidden, mask, query, scale, return_weights, cu_seqlens, _ = inputs
+    hidden, mask, query, scale, return_weights, cu_seqlens, max_seqlen = inputs
     out, stats, _ = output
-    ctx.scale, ctx.return_weights = scale, return_weights
+    ctx.scale, ctx.return_weights, ctx.max_seqlen = scale, return_weights, max_seqlen
     ctx.mark_non_differentiable(stats)
     ctx.save_for_backward(hidden, mask, query, out, stats, cu_seqlens)
 
@@ -174,7 +174,7 @@ def _attention_pool_backward(ctx, grad, _grad_stats, grad_weights):
     hidden, mask, query, out, stats, cu_seqlens = ctx.saved_tensors
     grad_weights = grad_weights if ctx.return_weights else None
     grad_hidden, grad_query = ops.attention_pool_backward(grad, grad_weights, hidden, mask, query, out, stats,
-                                                          ctx.scale, cu_seqlens)
+                                                          ctx.scale, cu_seqlens, ctx.max_seqlen)
     return grad_hidden, None, grad_query, None, None, None, None
 
 
@@ -182,8 +182,8 @@ def _attention_pool_backward(ctx, grad, _grad_stats, grad_weights):
 # (gradient penalties, Hessian-vector products): they run through the plain-PyTorch reference, recomputed in the
 # accumulation type. Correct rather than fused.
 def _attention_pool_backward_setup(ctx, inputs, output):
-    grad, grad_weights, hidden, mask, query, _, _, scale, cu_seqlens = inputs
-    ctx.scale, ctx.has_grad_weights = scale, grad_weights is not None
+    grad, grad_weights, hidden, mask, query, _, _, scale, cu_seqlens, max_seqlen = inputs
+    ctx.scale, ctx.has_grad_weights, ctx.max_seqlen = scale, grad_weights is not None, max_seqlen
     ctx.save_for_backward(grad, grad_weights, hidden, mask, query, cu_seqlens)
 
 
@@ -196,7 +196,7 @@ def _attention_pool_backward_backward(ctx, grad_grad_hidden, grad_grad_query):
     with torch.enable_grad():
         g, h, q = leaves[:3]
         out, weights = reference.attention_pool(h, mask, q, scale=ctx.scale, return_weights=True,
-                                                cu_seqlens=cu_seqlens)
+                                                cu_seqlens=cu_seqlens, max_seqlen=ctx.max_seqlen)
         weights_grad = leaves[3].reshape(weights.shape) if ctx.has_grad_weights else torch.zeros_like(weights)
         upstream = (g, weights_grad)
         grad_h, grad_q = torch.autograd.grad((out, weights), (h, q), upstream, create_graph=True)
@@ -205,7 +205,7 @@ def _attention_pool_backward_backward(ctx, grad_grad_hidden, grad_grad_query):
     found = [torch.zeros_like(t) if f is None else f for f, t in zip(found, leaves)]
     d_grad, d_hidden, d_query = (f.to(t.dtype) for f, t in zip(found[:3], (grad, hidden, query)))
     d_grad_weights = found[3].to(grad_weights.dtype) if ctx.has_grad_weights else None
-    return d_grad, d_grad_weights, d_hidden, None, d_query, None, None, None, None
+    return d_grad, d_grad_weights, d_hidden, None, d_query, None, None, None, None, None
 
 
 for _name, _backward, _setup in [

@@ -174,7 +174,7 @@ def _attention_pool_fake(hidden, mask, query, scale=None, return_weights=False, 
 
 @torch.library.register_fake("lmk_ops::attention_pool_backward")
 def _attention_pool_backward_fake(grad_out, grad_weights, hidden, mask, query, out, stats, scale=None,
-                                  cu_seqlens=None):
+                                  cu_seqlens=None, max_seqlen=None):
     op = "attention_pool_backward"
     if cu_seqlens is not None:
         batch = check_packed(op, hidden, cu_seqlens)

@@ -93,9 +93,9 @@ def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False)
 
 
 def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale: float | None = None,
-                   return_weights: bool = False, cu_seqlens: Tensor | None = None):
+                   return_weights: bool = False, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None):
     if cu_seqlens is not None:  # through the padded layout; the weights come back as [T] / [H, T]
-        padded, valid, text, slot = _padded_view(hidden, mask, cu_seqlens)
+        padded, valid, text, slot = _padded_view(hidden, mask, cu_seqlens, max_seqlen)
         result = attention_pool(padded, valid, query, scale=scale, return_weights=return_weights)
         if not return_weights:
             return result
@@ -182,11 +182,13 @@ def unpack(hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor) -> tuple[Ten
     return padded, valid
 
 
-def _padded_view(hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor):
-    """unpack, differentiable in hidden: (padded [B, W, D], valid [B, W], each row's text [T] and slot [T])."""
+def _padded_view(hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor, width: int | None = None):
+    """unpack, differentiable in hidden: (padded [B, W, D], valid [B, W], each row's text [T] and slot [T]); W is
+    width when given, else the longest text."""
     offsets = cu_seqlens.long()
     starts, lengths = offsets[:-1], offsets[1:] - offsets[:-1]
-    width = int(lengths.max()) if lengths.numel() else 0
+    if width is None:
+        width = int(lengths.max()) if lengths.numel() else 0
     column = torch.arange(width, device=hidden.device)
     inside = column < lengths.unsqueeze(1)
     rows = torch.where(inside, starts.unsqueeze(1) + column, hidden.shape[0])  # padding reads an appended zero row

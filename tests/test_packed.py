@@ -253,3 +253,33 @@ def test_compile_fullgraph_packed(device):
     mask = torch.rand(11, device=device) < 0.7
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(hidden, offsets, mask), model(hidden, offsets, mask))
+
+
+@pytest.mark.parametrize("mode", ["mean_sqrt_len_tokens", "weightedmean"])
+def test_sentence_transformers_modes_padded_either_side_and_packed(mode):
+    gen = torch.Generator().manual_seed(5)
+    lengths = [3, 0, 6]
+    packed = torch.randn(sum(lengths), 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    offsets = torch.tensor([0, 3, 3, 9])
+    expected = []
+    for start, n in zip(offsets.tolist(), lengths):
+        rows = packed[start:start + n]
+        if mode == "weightedmean":
+            weights = torch.arange(1, n + 1, dtype=torch.float64).unsqueeze(1)
+            expected.append((rows * weights).sum(0) / weights.sum().clamp_min(1e-9))
+        else:
+            expected.append(rows.sum(0) / max(n, 1) ** 0.5)
+    expected = torch.stack(expected)
+    pooling = lmk_ops.nn.Pooling(mode)
+    out = pooling(packed, cu_seqlens=offsets)
+    torch.testing.assert_close(out, expected)
+    for side in ("right", "left"):
+        hidden = packed.new_zeros(3, 6, 4)
+        mask = torch.zeros(3, 6, dtype=torch.long)
+        for b, (start, n) in enumerate(zip(offsets.tolist(), lengths)):
+            slots = slice(0, n) if side == "right" else slice(6 - n, 6)
+            hidden[b, slots], mask[b, slots] = packed[start:start + n], 1
+        torch.testing.assert_close(pooling(hidden, {"attention_mask": mask}), expected)
+    (grad,) = torch.autograd.grad(out.sum(), packed)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), packed)
+    torch.testing.assert_close(grad, expected_grad)

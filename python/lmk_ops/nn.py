@@ -197,7 +197,7 @@ def _weighted_mean(hidden: Tensor, mask: Tensor | None, packed: dict) -> Tensor:
     over the padded layout (a packed batch is copied into it first)."""
     wide = torch.promote_types(hidden.dtype, torch.float32)
     if packed:
-        hidden, mask = ops._packed_as_padded("weightedmean", hidden, mask, packed["cu_seqlens"],
+        hidden, mask = ops.packed_as_padded("nn.Pooling('weightedmean')", hidden, mask, packed["cu_seqlens"],
                                              packed.get("max_seqlen"))
     valid = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device) if mask is None else mask != 0
     weights = (valid.long().cumsum(1) * valid).to(wide)

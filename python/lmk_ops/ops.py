@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ._checks import check_call, check_hidden, check_landmarks, check_packed
 from ._checks import check_packed_mask, fail
+from . import reference
 
 __all__ = [
     "attention_pool", "first_token_pool", "landmark_gather", "landmark_mean", "landmark_positions", "last_token_pool",
@@ -243,22 +244,15 @@ def last_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: T
     return torch.ops.lmk_ops.token_pool(hidden, mask, True, cu_seqlens, max_seqlen)[0]
 
 
-def _packed_as_padded(op: str, hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor, max_seqlen: int | None):
-    """A packed batch copied into padded form: (hidden [B, W, D], valid [B, W]). W is max_seqlen, or read from the
-    offsets (a device sync)."""
+def packed_as_padded(op: str, hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor, max_seqlen: int | None):
+    """A packed batch, checked (errors naming op), copied into padded form: (hidden [B, W, D], valid [B, W]),
+    differentiable in hidden. W is max_seqlen, or read from the offsets (a device sync)."""
     check_packed(op, hidden, cu_seqlens, max_seqlen)
-    tokens = hidden.shape[0]
-    check_packed_mask(op, mask, tokens, hidden)
-    starts, lengths, _ = _packed_texts(cu_seqlens, tokens, op, max_seqlen)
-    if max_seqlen is None:
-        max_seqlen = int(lengths.max()) if starts.shape[0] else 0
-    column = torch.arange(max_seqlen, device=hidden.device)
-    inside = column < lengths.unsqueeze(1)
-    rows = torch.where(inside, starts.unsqueeze(1) + column, 0)
-    valid = inside if mask is None or tokens == 0 else inside & _valid_rows(op, mask, (tokens,), hidden)[rows]
-    if tokens == 0:  # nothing to index; + hidden.sum() (an exact 0) keeps the result in hidden's autograd graph
-        return hidden.new_zeros(starts.shape[0], max_seqlen, hidden.shape[1]) + hidden.sum(), valid
-    return hidden.index_select(0, rows.flatten()).view(*rows.shape, hidden.shape[1]), valid
+    check_packed_mask(op, mask, hidden.shape[0], hidden)
+    offsets = torch.ops.lmk_ops.packed_offsets(cu_seqlens, hidden.shape[0], max_seqlen, op)
+    valid = None if mask is None else _valid_rows(op, mask, (hidden.shape[0],), hidden)
+    padded, valid, _, _ = reference.padded_view(hidden, valid, offsets, max_seqlen)
+    return padded, valid
 
 
 def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale: float | None = None,

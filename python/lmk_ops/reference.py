@@ -10,7 +10,7 @@ from torch import Tensor
 
 __all__ = [
     "attention_pool", "first_token_pool", "index_add_mean", "insert_landmarks", "last_token_pool", "landmark_gather", "landmark_mean", "max_pool", "mean_pool",
-    "scatter_max", "segment_max", "segment_mean", "unpack",
+    "padded_view", "scatter_max", "segment_max", "segment_mean", "unpack",
 ]
 
 
@@ -95,7 +95,7 @@ def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False)
 def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale: float | None = None,
                    return_weights: bool = False, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None):
     if cu_seqlens is not None:  # through the padded layout; the weights come back as [T] / [H, T]
-        padded, valid, text, slot = _padded_view(hidden, mask, cu_seqlens, max_seqlen)
+        padded, valid, text, slot = padded_view(hidden, mask, cu_seqlens, max_seqlen)
         result = attention_pool(padded, valid, query, scale=scale, return_weights=return_weights)
         if not return_weights:
             return result
@@ -182,7 +182,7 @@ def unpack(hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor) -> tuple[Ten
     return padded, valid
 
 
-def _padded_view(hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor, width: int | None = None):
+def padded_view(hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor, width: int | None = None):
     """unpack, differentiable in hidden: (padded [B, W, D], valid [B, W], each row's text [T] and slot [T]); W is
     width when given, else the longest text."""
     offsets = cu_seqlens.long()

@@ -23,14 +23,23 @@ static bool is_supported_float(at::ScalarType t) {
   return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble;
 }
 
-void check_hidden(const char* op, const at::Tensor& hidden) {
+// hidden of `dims` dimensions (the layout named by `shape` in messages) and a supported floating dtype.
+static void check_hidden_layout(const char* op, const at::Tensor& hidden, int64_t dims, const char* shape) {
   TORCH_CHECK(hidden.defined(), "lmk_ops.", op, ": expected hidden to be a tensor, got None");
   TORCH_CHECK(
-      hidden.dim() == 3, "lmk_ops.", op, ": expected hidden of shape [B, L, D] (3-D), got a ", hidden.dim(),
-      "-D tensor of shape ", shape_str(hidden.sizes()));
+      hidden.dim() == dims, "lmk_ops.", op, ": expected ", shape, ", got a ", hidden.dim(), "-D tensor of shape ",
+      shape_str(hidden.sizes()));
   TORCH_CHECK(
       is_supported_float(hidden.scalar_type()), "lmk_ops.", op,
       ": expected hidden of dtype float16, bfloat16, float32 or float64, got ", hidden.scalar_type());
+}
+
+void check_hidden(const char* op, const at::Tensor& hidden) {
+  check_hidden_layout(op, hidden, 3, "hidden of shape [B, L, D] (3-D)");
+}
+
+void check_packed_hidden(const char* op, const at::Tensor& hidden) {
+  check_hidden_layout(op, hidden, 2, "packed hidden of shape [T, D] (2-D, with cu_seqlens)");
 }
 
 void check_grad(const char* op, const at::Tensor& grad, int64_t dims, const char* shape) {
@@ -82,7 +91,7 @@ at::Tensor prepare_mask(
   return m.ne(0).contiguous();
 }
 
-static void check_landmarks_device(const char* op, const at::Tensor& landmarks, const at::Tensor& like) {
+void check_landmarks_device(const char* op, const at::Tensor& landmarks, const at::Tensor& like) {
   TORCH_CHECK(
       landmarks.device() == like.device(), "lmk_ops.", op, ": expected landmarks on the same device as hidden (",
       like.device(), "), got ", landmarks.device());

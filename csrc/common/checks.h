@@ -12,6 +12,9 @@ namespace lmk_ops {
 // hidden: a [B, L, D] tensor of float16, bfloat16, float32 or float64 (any strides).
 void check_hidden(const char* op, const at::Tensor& hidden);
 
+// hidden: the same, [T, D], for a packed batch.
+void check_packed_hidden(const char* op, const at::Tensor& hidden);
+
 // grad: a floating tensor of the given number of dimensions, named by shape ("[B, D]") in messages.
 void check_grad(const char* op, const at::Tensor& grad, int64_t dims, const char* shape);
 
@@ -49,6 +52,9 @@ RowSelection prepare_landmarks(
     int64_t seq_len,
     const at::Tensor& like,
     Values values = Values::kCheck);
+
+// Landmarks (a mask or positions) on like's device.
+void check_landmarks_device(const char* op, const at::Tensor& landmarks, const at::Tensor& like);
 
 // Validates int64 positions [batch, K] holding -1 or a position in [0, seq_len); returns them contiguous.
 at::Tensor prepare_positions(

@@ -88,17 +88,6 @@ at::Tensor PackedBatch::count(const at::Tensor& selected) const {
   return before.index_select(0, offsets.narrow(0, 1, batch)) - before.index_select(0, starts);
 }
 
-void check_packed_hidden(const char* op, const at::Tensor& hidden) {
-  TORCH_CHECK(hidden.defined(), "lmk_ops.", op, ": expected hidden to be a tensor, got None");
-  TORCH_CHECK(
-      hidden.dim() == 2, "lmk_ops.", op, ": expected packed hidden of shape [T, D] (2-D, with cu_seqlens), got a ",
-      hidden.dim(), "-D tensor of shape ", shape_str(hidden.sizes()));
-  const auto t = hidden.scalar_type();
-  TORCH_CHECK(
-      t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble, "lmk_ops.", op,
-      ": expected hidden of dtype float16, bfloat16, float32 or float64, got ", t);
-}
-
 PackedBatch prepare_packed(const char* op, int64_t tokens, const at::Tensor& like, const at::Tensor& cu_seqlens,
                            std::optional<int64_t> max_seqlen, Values values) {
   TORCH_CHECK(
@@ -145,6 +134,12 @@ PackedBatch prepare_packed(const char* op, int64_t tokens, const at::Tensor& lik
   return packed;
 }
 
+PackedBatch prepare_packed_hidden(const char* op, const at::Tensor& hidden, const at::Tensor& cu_seqlens,
+                                  std::optional<int64_t> max_seqlen, Values values) {
+  check_packed_hidden(op, hidden);
+  return prepare_packed(op, hidden.size(0), hidden, cu_seqlens, max_seqlen, values);
+}
+
 PackedBatch prepare_packed_grad(const char* op, const at::Tensor& grad, int64_t tokens, const at::Tensor& cu_seqlens) {
   PackedBatch packed = prepare_packed(op, tokens, grad, cu_seqlens, std::nullopt, Values::kTrusted);
   TORCH_CHECK(
@@ -183,9 +178,7 @@ at::Tensor prepare_packed_positions(const char* op, const at::Tensor& positions,
 
 at::Tensor prepare_packed_landmark_mask(const char* op, const at::Tensor& landmarks, const PackedBatch& packed,
                                         const at::Tensor& like) {
-  TORCH_CHECK(
-      landmarks.device() == like.device(), "lmk_ops.", op, ": expected landmarks on the same device as hidden (",
-      like.device(), "), got ", landmarks.device());
+  check_landmarks_device(op, landmarks, like);
   TORCH_CHECK(
       landmarks.dim() == 1 && landmarks.size(0) == packed.tokens, "lmk_ops.", op,
       ": expected a packed landmark mask of shape [T] = [", packed.tokens, "], got ", shape_str(landmarks.sizes()));

@@ -47,11 +47,12 @@ struct PackedBatch {
 PackedBatch prepare_packed(const char* op, int64_t tokens, const at::Tensor& like, const at::Tensor& cu_seqlens,
                            std::optional<int64_t> max_seqlen, Values values = Values::kCheck);
 
+// hidden [T, D] (checked as check_packed_hidden does) and its cu_seqlens, checked as prepare_packed does.
+PackedBatch prepare_packed_hidden(const char* op, const at::Tensor& hidden, const at::Tensor& cu_seqlens,
+                                  std::optional<int64_t> max_seqlen, Values values = Values::kCheck);
+
 // The packed batch of a backward op, whose cu_seqlens' values are trusted: grad_out's first dimension must be B.
 PackedBatch prepare_packed_grad(const char* op, const at::Tensor& grad, int64_t tokens, const at::Tensor& cu_seqlens);
-
-// hidden: a [T, D] tensor of float16, bfloat16, float32 or float64 (any strides), for a packed batch.
-void check_packed_hidden(const char* op, const at::Tensor& hidden);
 
 // A packed batch's token mask [T] (bool, or integer 0/1), as a contiguous bool tensor; undefined when not given.
 at::Tensor prepare_packed_mask(const char* op, const std::optional<at::Tensor>& mask, const PackedBatch& packed,

@@ -88,8 +88,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_pool(
   constexpr const char* op = "attention_pool";
   const at::Tensor hidden = unit_feature_stride(hidden_in);
   if (cu_seqlens.has_value()) {
-    check_packed_hidden(op, hidden);
-    const PackedBatch packed = prepare_packed(op, hidden.size(0), hidden, *cu_seqlens, max_seqlen);
+    const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen);
     const at::Tensor view = packed.batch_view(hidden);
     const Heads heads = check_query(op, query, view);
     const double s = resolve_scale(op, scale, heads.dim);
@@ -131,36 +130,42 @@ std::tuple<at::Tensor, at::Tensor> attention_backward(const at::Tensor& grad, co
   return {grad_hidden, grad_query.reshape(query.sizes()).to(query.scalar_type())};
 }
 
+// The saved tensors and gradients the backward takes, for a batch of `batch` texts of `dim` features whose
+// weights have weights_shape ([B, H, L], packed [H, T]).
+void check_backward_inputs(const char* op, const at::Tensor& grad, const at::Tensor& grad_weights,
+                           const at::Tensor& out, const at::Tensor& stats, int64_t batch, int64_t dim,
+                           const Heads& heads, at::IntArrayRef weights_shape, const at::Tensor& hidden) {
+  check_float_tensor(op, "grad_out", grad, {batch, dim}, hidden);
+  check_float_tensor(op, "out", out, {batch, dim}, hidden);
+  check_float_tensor(op, "stats", stats, {batch, heads.count, 2}, hidden);
+  if (grad_weights.defined()) {
+    check_float_tensor(op, "grad_weights", grad_weights, weights_shape, hidden);
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_pool_backward(
-    const at::Tensor& grad, const std::optional<at::Tensor>& grad_weights, const at::Tensor& hidden_in,
+    const at::Tensor& grad, const std::optional<at::Tensor>& grad_weights_in, const at::Tensor& hidden_in,
     const std::optional<at::Tensor>& mask, const at::Tensor& query, const at::Tensor& out,
     const at::Tensor& stats, std::optional<double> scale, const std::optional<at::Tensor>& cu_seqlens,
     std::optional<int64_t> max_seqlen) {
   constexpr const char* op = "attention_pool_backward";
   const at::Tensor hidden = unit_feature_stride(hidden_in);
-  const bool has_grad_weights = grad_weights.has_value() && grad_weights->defined();
+  const at::Tensor gw = grad_weights_in.has_value() ? *grad_weights_in : at::Tensor();
   if (cu_seqlens.has_value()) {
-    check_packed_hidden(op, hidden);
-    const PackedBatch packed = prepare_packed(op, hidden.size(0), hidden, *cu_seqlens, max_seqlen, Values::kTrusted);
+    const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen, Values::kTrusted);
     const at::Tensor view = packed.batch_view(hidden);
     const Heads heads = check_query(op, query, view);
     const double s = resolve_scale(op, scale, heads.dim);
     const int64_t batch = packed.batch, dim = hidden.size(1);
-    check_float_tensor(op, "grad_out", grad, {batch, dim}, hidden);
-    check_float_tensor(op, "out", out, {batch, dim}, hidden);
-    check_float_tensor(op, "stats", stats, {batch, heads.count, 2}, hidden);
-    if (has_grad_weights) {
-      check_float_tensor(op, "grad_weights", *grad_weights, {heads.count, packed.tokens}, hidden);
-    }
+    check_backward_inputs(op, grad, gw, out, stats, batch, dim, heads, {heads.count, packed.tokens}, hidden);
     const at::Tensor valid = prepare_packed_mask(op, mask, packed, hidden, Values::kTrusted);
-    const at::Tensor gw = has_grad_weights ? *grad_weights : at::Tensor();
     if (hidden.is_cpu()) {
       return attention_backward(grad, gw, view, packed_rows(packed, valid), query, heads, out, stats, s);
     }
     const PaddedCopy copy = pad_packed(hidden, packed, valid);
     const int64_t width = copy.hidden.size(1);
     at::Tensor padded_gw;
-    if (has_grad_weights) {  // [H, T] to [B, H, W]
+    if (gw.defined()) {  // [H, T] to [B, H, W]
       padded_gw = at::zeros({heads.count, batch * width}, gw.options()).index_copy_(1, copy.slot, gw)
                       .view({heads.count, batch, width}).transpose(0, 1);
     }
@@ -172,15 +177,9 @@ std::tuple<at::Tensor, at::Tensor> attention_pool_backward(
   const Heads heads = check_query(op, query, hidden);
   const double s = resolve_scale(op, scale, heads.dim);
   const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
-  check_float_tensor(op, "grad_out", grad, {batch, dim}, hidden);
-  check_float_tensor(op, "out", out, {batch, dim}, hidden);
-  check_float_tensor(op, "stats", stats, {batch, heads.count, 2}, hidden);
-  if (has_grad_weights) {
-    check_float_tensor(op, "grad_weights", *grad_weights, {batch, heads.count, seq_len}, hidden);
-  }
+  check_backward_inputs(op, grad, gw, out, stats, batch, dim, heads, {batch, heads.count, seq_len}, hidden);
   const at::Tensor valid = prepare_mask(op, mask, batch, seq_len, hidden, Values::kTrusted);
-  return attention_backward(grad, has_grad_weights ? *grad_weights : at::Tensor(), hidden, padded_rows(valid), query,
-                            heads, out, stats, s);
+  return attention_backward(grad, gw, hidden, padded_rows(valid), query, heads, out, stats, s);
 }
 
 void register_attention_ops(torch::Library& m) {

@@ -21,8 +21,7 @@ std::tuple<at::Tensor, at::Tensor> landmark_mean(const at::Tensor& hidden, const
                                                  std::optional<int64_t> max_seqlen) {
   constexpr const char* op = "landmark_mean";
   if (cu_seqlens.has_value()) {
-    check_packed_hidden(op, hidden);
-    const PackedBatch packed = prepare_packed(op, hidden.size(0), hidden, *cu_seqlens, max_seqlen);
+    const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen);
     return mean_of_rows(packed.batch_view(hidden), prepare_packed_landmarks(op, landmarks, packed, hidden), normalize);
   }
   check_hidden(op, hidden);
@@ -54,8 +53,7 @@ at::Tensor landmark_gather(const at::Tensor& hidden, const at::Tensor& positions
   constexpr const char* op = "landmark_gather";
   at::Tensor view, p;
   if (cu_seqlens.has_value()) {
-    check_packed_hidden(op, hidden);
-    const PackedBatch packed = prepare_packed(op, hidden.size(0), hidden, *cu_seqlens, std::nullopt);
+    const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, std::nullopt);
     p = prepare_packed_positions(op, positions, packed, hidden);
     view = packed.batch_view(hidden);
   } else {

@@ -23,8 +23,7 @@ std::tuple<at::Tensor, at::Tensor> mean_pool(const at::Tensor& hidden, const std
                                              std::optional<int64_t> max_seqlen) {
   constexpr const char* op = "mean_pool";
   if (cu_seqlens.has_value()) {
-    check_packed_hidden(op, hidden);
-    const PackedBatch packed = prepare_packed(op, hidden.size(0), hidden, *cu_seqlens, max_seqlen);
+    const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen);
     const at::Tensor valid = prepare_packed_mask(op, mask, packed, hidden);
     return mean_of_rows(packed.batch_view(hidden), {at::Tensor(), packed.list_rows(valid)}, normalize);
   }
@@ -78,9 +77,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> max_pool(const at::Tensor& hidden
                                                         std::optional<int64_t> max_seqlen) {
   constexpr const char* op = "max_pool";
   if (cu_seqlens.has_value()) {
-    check_packed_hidden(op, hidden);
-    check_argmax_rows(op, "T", hidden.size(0));
-    const PackedBatch packed = prepare_packed(op, hidden.size(0), hidden, *cu_seqlens, max_seqlen);
+    const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen);
+    check_argmax_rows(op, "T", packed.tokens);
     const at::Tensor valid = prepare_packed_mask(op, mask, packed, hidden);
     auto [out, rows, pooled] =
         max_of_rows(packed.batch_view(hidden), {at::Tensor(), packed.list_rows(valid)}, normalize);

@@ -60,8 +60,7 @@ std::tuple<at::Tensor, at::Tensor> token_pool(const at::Tensor& hidden, const st
   at::Tensor view, valid, rows;
   std::optional<PackedBatch> packed;
   if (cu_seqlens.has_value()) {
-    check_packed_hidden(op, hidden);
-    packed = prepare_packed(op, hidden.size(0), hidden, *cu_seqlens, max_seqlen);
+    packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen);
     valid = prepare_packed_mask(op, mask, *packed, hidden);
     rows = find_rows(valid, packed->starts, packed->lengths, hidden.size(0), last);
     view = packed->batch_view(hidden);

@@ -252,7 +252,7 @@ def bench_packed(op, dtype_name, spec, device) -> PackedRow:
     tokens = sum(lengths)
     hidden = torch.randn(tokens, dim, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    padded, valid = reference.unpack(hidden, None, offsets)
+    padded, valid, _, _ = reference.padded_view(hidden, None, offsets)
     longest = max(lengths)
     packed_kw = {"cu_seqlens": offsets, "max_seqlen": longest}
     landmarks = landmark_layout(valid, 32)[valid] if op == "landmark_mean@32" else None

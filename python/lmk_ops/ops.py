@@ -111,13 +111,13 @@ def _values_known(t: Tensor) -> bool:
     return not (torch.compiler.is_compiling() or t.device.type == "meta" or isinstance(t, FakeTensor))
 
 
-def _packed_texts(cu_seqlens: Tensor, tokens: int, op: str | None = None, max_seqlen: int | None = None):
-    """(starts [B], lengths [B], text of each row [T]) of a packed batch, int64, with no device sync; with op, the
-    offsets are checked first (as the ops check them, errors naming op)."""
-    offsets = cu_seqlens.long() if op is None else torch.ops.lmk_ops.packed_offsets(cu_seqlens, tokens, max_seqlen, op)
-    starts, lengths = offsets[:-1], offsets[1:] - offsets[:-1]
-    text = torch.arange(starts.shape[0], device=offsets.device).repeat_interleave(lengths, output_size=tokens)
-    return starts, lengths, text
+def _packed_texts(cu_seqlens: Tensor, tokens: int, op: str):
+    """(offsets [B + 1], text of each row [T]) of a packed batch, int64, with no device sync; the offsets checked
+    first, as the ops check them (errors naming op)."""
+    offsets = torch.ops.lmk_ops.packed_offsets(cu_seqlens, tokens, None, op)
+    text = torch.arange(offsets.shape[0] - 1, device=offsets.device).repeat_interleave(
+        offsets[1:] - offsets[:-1], output_size=tokens)
+    return offsets, text
 
 
 def landmark_positions(landmark_mask: Tensor, num_landmarks: int | None = None, *,
@@ -142,9 +142,10 @@ def landmark_positions(landmark_mask: Tensor, num_landmarks: int | None = None, 
     device = landmark_mask.device
     if cu_seqlens is not None:
         # Each token's text and its rank among the text's landmarks, from one running count.
-        starts, lengths, text = _packed_texts(cu_seqlens, landmark_mask.shape[0], op)
+        offsets, text = _packed_texts(cu_seqlens, landmark_mask.shape[0], op)
+        starts = offsets[:-1]
         before = torch.cat([landmark_mask.new_zeros(1, dtype=torch.long), landmark_mask.long().cumsum(0)])
-        counts = before[cu_seqlens[1:].long()] - before[starts]
+        counts = before[offsets[1:]] - before[starts]
         rank = before[:-1] - before[starts][text]
         offset = torch.arange(landmark_mask.shape[0], device=device) - starts[text]
         batch = starts.shape[0]
@@ -211,16 +212,6 @@ for _fn in (mean_pool, max_pool, landmark_mean):
     _fn.__doc__ = _fn.__doc__.replace("{normalize}", _NORMALIZE_DOC).replace("{packed}", _PACKED_DOC)
 
 
-def _valid_rows(op: str, mask: Tensor | None, shape, like: Tensor) -> Tensor:
-    """The mask as bool (every row when None), its 0/1 values checked by an op so that a bad value fails the same
-    way eagerly and when compiled."""
-    if mask is None:
-        return torch.ones(shape, dtype=torch.bool, device=like.device)
-    if mask.dtype == torch.bool:
-        return mask
-    return torch.ops.lmk_ops.valid_mask(mask.view(1, -1) if len(shape) == 1 else mask, op).view(shape)
-
-
 def first_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: Tensor | None = None,
                      max_seqlen: int | None = None) -> Tensor:
     """The state of each text's first valid token (CLS pooling), whatever the padding side. One op: finds the row
@@ -250,8 +241,9 @@ def packed_as_padded(op: str, hidden: Tensor, mask: Tensor | None, cu_seqlens: T
     check_packed(op, hidden, cu_seqlens, max_seqlen)
     check_packed_mask(op, mask, hidden.shape[0], hidden)
     offsets = torch.ops.lmk_ops.packed_offsets(cu_seqlens, hidden.shape[0], max_seqlen, op)
-    valid = None if mask is None else _valid_rows(op, mask, (hidden.shape[0],), hidden)
-    padded, valid, _, _ = reference.padded_view(hidden, valid, offsets, max_seqlen)
+    if mask is not None and mask.dtype != torch.bool:  # 0/1 checked by an op: the same failure eager and compiled
+        mask = torch.ops.lmk_ops.valid_mask(mask.view(1, -1), op).view(-1)
+    padded, valid, _, _ = reference.padded_view(hidden, mask, offsets, max_seqlen)
     return padded, valid
 
 

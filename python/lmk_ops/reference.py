@@ -10,7 +10,7 @@ from torch import Tensor
 
 __all__ = [
     "attention_pool", "first_token_pool", "index_add_mean", "insert_landmarks", "last_token_pool", "landmark_gather", "landmark_mean", "max_pool", "mean_pool",
-    "padded_view", "scatter_max", "segment_max", "segment_mean", "unpack",
+    "padded_view", "scatter_max", "segment_max", "segment_mean",
 ]
 
 
@@ -168,23 +168,10 @@ def insert_landmarks(input_ids: Tensor, attention_mask: Tensor | None = None, *,
 # Packed (cu_seqlens) batches: the references unpack to the padded layout; and the ways people pool packed batches in
 # plain PyTorch, which the benchmark report compares with.
 
-def unpack(hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
-    """A packed batch ([T, D], a [T] mask or None, offsets [B + 1]) as padded [B, W, D] and a bool [B, W] mask, W
-    the longest text (padding rows zero)."""
-    offsets = cu_seqlens.long().tolist()
-    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
-    width = max(lengths, default=0)
-    padded = hidden.new_zeros(len(lengths), width, hidden.shape[-1])
-    valid = torch.zeros(len(lengths), width, dtype=torch.bool, device=hidden.device)
-    for b, (start, n) in enumerate(zip(offsets, lengths)):
-        padded[b, :n] = hidden[start:start + n]
-        valid[b, :n] = True if mask is None else mask[start:start + n] != 0
-    return padded, valid
-
-
 def padded_view(hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor, width: int | None = None):
-    """unpack, differentiable in hidden: (padded [B, W, D], valid [B, W], each row's text [T] and slot [T]); W is
-    width when given, else the longest text."""
+    """A packed batch ([T, D], a [T] mask or None, offsets [B + 1]) in padded form, differentiable in hidden:
+    (padded [B, W, D] with zero padding rows, valid [B, W], each row's text [T] and slot [T]); W is width when
+    given, else the longest text."""
     offsets = cu_seqlens.long()
     starts, lengths = offsets[:-1], offsets[1:] - offsets[:-1]
     if width is None:

@@ -5,9 +5,11 @@
 // each text's chunks in chunk order. Every (text, head) result depends only on that text's valid rows, taken in
 // order, so a text pools to the same bits alone or in a batch, whatever the padding side or the thread count.
 //
-// Forward, per chunk and head: one pass over the chunk's rows with an online softmax. Each group of rows gets its
-// scores (dot with the head's query), the running maximum moves up if a score passes it (rescaling the running
-// total and the weighted row sum once per group), then the rows are added with weight exp(score - max). Nothing
+// Forward, per chunk: one pass over the chunk's rows with an online softmax, a group of rows at a time. The group's
+// rows get their scores for every head of the block (each row read front to back once), per head the running
+// maximum moves up if a score passes it (rescaling the running total and the weighted row sum once per group), the
+// group's weights exp(score - max) are taken together (vectorised over heads and rows), then each head's slices of
+// the rows are added with their weights (from cache). Nothing
 // can overflow: every exponent is <= 0. Sums run in float32 over kFoldRows rows and are folded into float64, and
 // the chunks' (max, total, weighted sum) are merged in float64, so the error does not grow with L. Only the softmax
 // statistics are kept for the backward: per text and head the maximum score and the sum of exp(score - max).
@@ -35,13 +37,12 @@ namespace lmk_ops::cpu::CPU_CAPABILITY {
 namespace {
 
 // <x, y> over n features, or with kCentred <x - m, y> (feature i of x at x[i * stride]; m and y contiguous). Four
-// independent accumulator chains hide the FMA latency. The forward and the backward both compute scores with this
-// one function, so a score recomputed in the backward has the bits it had in the forward.
+// independent accumulator chains hide the FMA latency; the whole vectors' products come back as one vector of
+// partial sums (partial_dot), which dot() reduces and completes with the remaining features.
 template <bool kCentred, typename scalar_t>
-inline acc_t<scalar_t> dot(const scalar_t* x, int64_t stride, const acc_t<scalar_t>* m, const acc_t<scalar_t>* y,
-                           int64_t n) {
-  using acc = acc_t<scalar_t>;
-  using Vec = Vectorized<acc>;
+inline Vectorized<acc_t<scalar_t>> partial_dot(const scalar_t* x, const acc_t<scalar_t>* m, const acc_t<scalar_t>* y,
+                                               int64_t n) {
+  using Vec = Vectorized<acc_t<scalar_t>>;
   constexpr int64_t W = Vec::size();
   const auto load = [&](int64_t i) {
     if constexpr (kCentred) {
@@ -50,25 +51,73 @@ inline acc_t<scalar_t> dot(const scalar_t* x, int64_t stride, const acc_t<scalar
       return load_widened(x + i);
     }
   };
+  Vec s[4] = {Vec(0), Vec(0), Vec(0), Vec(0)};
+  int64_t i = 0;
+  for (; i + 4 * W <= n; i += 4 * W) {
+    for (int u = 0; u < 4; ++u) {
+      s[u] = at::vec::fmadd(load(i + u * W), Vec::loadu(y + i + u * W), s[u]);
+    }
+  }
+  for (; i + W <= n; i += W) {
+    s[0] = at::vec::fmadd(load(i), Vec::loadu(y + i), s[0]);
+  }
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+template <bool kCentred, typename scalar_t>
+inline acc_t<scalar_t> dot(const scalar_t* x, int64_t stride, const acc_t<scalar_t>* m, const acc_t<scalar_t>* y,
+                           int64_t n) {
+  using acc = acc_t<scalar_t>;
+  using Vec = Vectorized<acc>;
   int64_t i = 0;
   acc total = 0;
   if (stride == 1) {
-    Vec s[4] = {Vec(acc(0)), Vec(acc(0)), Vec(acc(0)), Vec(acc(0))};
-    for (; i + 4 * W <= n; i += 4 * W) {
-      for (int u = 0; u < 4; ++u) {
-        s[u] = at::vec::fmadd(load(i + u * W), Vec::loadu(y + i + u * W), s[u]);
-      }
-    }
-    for (; i + W <= n; i += W) {
-      s[0] = at::vec::fmadd(load(i), Vec::loadu(y + i), s[0]);
-    }
-    total = at::vec::vec_reduce_all<acc>([](Vec& a, Vec& b) { return a + b; }, (s[0] + s[1]) + (s[2] + s[3]));
+    i = n / Vec::size() * Vec::size();
+    total = at::vec::vec_reduce_all<acc>([](Vec& a, Vec& b) { return a + b; }, partial_dot<kCentred>(x, m, y, i));
   }
   for (; i < n; ++i) {
     const auto xi = static_cast<acc>(x[i * stride]);
     total += (kCentred ? xi - m[i] : xi) * y[i];
   }
   return total;
+}
+
+// The sums of eight vectors' lanes, as one vector (lane h: the sum of vector h), in the order
+// ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)) over each vector's lanes.
+#if defined(CPU_CAPABILITY_AVX2)
+inline Vectorized<float> sum_lanes8(const Vectorized<float>* v) {
+  const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+#endif
+
+// scale * <x_h, q_h> for each of `heads` heads (x_h: the row's slice of head h), into out[h]. The forward and the
+// backward both compute scores with this one function, so a score recomputed in the backward has the bits it had
+// in the forward. With AVX2, narrow heads of whole vectors on a contiguous row reduce their partial sums eight
+// heads at a time: one vector's horizontal sum costs as much as a 64-feature head's products otherwise.
+template <typename scalar_t>
+inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>* q, int64_t heads, int64_t head_dim,
+                       acc_t<scalar_t> scale, acc_t<scalar_t>* out) {
+  int64_t h = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t<scalar_t>, float>) {
+    if (stride == 1 && head_dim % 8 == 0 && head_dim <= 256) {
+      for (; h < heads; h += 8) {
+        const int64_t count = std::min<int64_t>(8, heads - h);
+        Vectorized<float> partial[8];
+        for (int64_t j = 0; j < 8; ++j) {
+          partial[j] = j < count ? partial_dot<false>(x + (h + j) * head_dim, nullptr, q + (h + j) * head_dim, head_dim)
+                                 : Vectorized<float>(0);
+        }
+        (sum_lanes8(partial) * Vectorized<float>(scale)).store(out + h, count);
+      }
+    }
+  }
+#endif
+  for (; h < heads; ++h) {
+    out[h] = dot<false>(x + h * head_dim * stride, stride, nullptr, q + h * head_dim, head_dim) * scale;
+  }
 }
 
 // total[i] += chunk[i], then chunk[i] = 0, for n values: a chunk's sums folded into the running totals.
@@ -99,6 +148,7 @@ struct SoftmaxReducer {
   double* total_sum;        // [heads]: the same over the folded chunks
   acc* scores;              // [heads, seq_len]: each row's raw score, kept when the weights are returned; else nullptr
   int64_t seq_len;
+  acc* group_scores;        // [kRowGroup * heads]: scratch
   int64_t chunk_rows = 0;
 
   void init(const scalar_t* row, int64_t stride, int64_t n, int64_t l) {
@@ -117,44 +167,60 @@ struct SoftmaxReducer {
   }
 
   void step(const RowGroup<scalar_t>& g, int64_t stride, int64_t /*n*/) {
-    const scalar_t* const* rows = g.rows;
-    const int64_t* ls = g.ls;
     const int k = g.k;
+    // The group's scores, row by row (each row read once, front to back): s[r * heads + h].
+    for (int r = 0; r < k; ++r) {
+      row_scores(g.rows[r], stride, query, heads, head_dim, scale, group_scores + r * heads);
+      if (scores != nullptr) {
+        for (int64_t h = 0; h < heads; ++h) {
+          scores[h * seq_len + g.ls[r]] = group_scores[r * heads + h];
+        }
+      }
+    }
+    // Per head, the running maximum moves up to the group's if a score passes it, rescaling what was added so far.
     for (int64_t h = 0; h < heads; ++h) {
-      const int64_t offset = h * head_dim;
-      const acc* q = query + offset;
-      const scalar_t* x[kRowGroup];
-      acc s[kRowGroup];
       acc group_max = running_max[h];
       for (int r = 0; r < k; ++r) {
-        x[r] = rows[r] + offset * stride;
-        s[r] = dot<false>(x[r], stride, nullptr, q, head_dim) * scale;
-        if (scores != nullptr) {
-          scores[h * seq_len + ls[r]] = s[r];
-        }
-        group_max = std::max(group_max, s[r]);  // a NaN score is passed over here and poisons the total below
-      }
-      acc* chunk_w = weighted + offset;
+        group_max = std::max(group_max, group_scores[r * heads + h]);  // a NaN score is passed over here and
+      }                                                                 // poisons the total below
       if (group_max > running_max[h]) {
         if (running_max[h] != -std::numeric_limits<acc>::infinity()) {  // else nothing was added yet
           const acc factor = std::exp(running_max[h] - group_max);
-          scale_in_place(weighted_total + offset, factor);
-          scale_in_place(chunk_w, factor);
+          scale_in_place(weighted_total + h * head_dim, factor);
+          scale_in_place(weighted + h * head_dim, factor);
           total_sum[h] *= factor;
           total[h] *= factor;
         }
         running_max[h] = group_max;
       }
-      acc p[kRowGroup];
-      for (int r = 0; r < k; ++r) {
-        p[r] = std::exp(s[r] - running_max[h]);
-        total[h] += p[r];
+    }
+    // The weights exp(score - max), all of the group's at once (vectorised over heads and rows).
+    for (int r = 0; r < k; ++r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        group_scores[r * heads + h] -= running_max[h];
       }
-      add_rows(chunk_w, p, x, k, stride);
+    }
+    exp_in_place(group_scores, k * heads);
+    for (int64_t h = 0; h < heads; ++h) {
+      acc p[kRowGroup];
+      const scalar_t* x[kRowGroup];
+      for (int r = 0; r < k; ++r) {
+        p[r] = group_scores[r * heads + h];
+        total[h] += p[r];
+        x[r] = g.rows[r] + h * head_dim * stride;
+      }
+      add_rows(weighted + h * head_dim, p, x, k, stride);
     }
     chunk_rows += k;
     if (chunk_rows >= kFoldRows) {
       fold();
+    }
+  }
+
+  static void exp_in_place(acc* a, int64_t n) {
+    for (int64_t i = 0; i < n; i += Vec::size()) {
+      const int64_t count = std::min<int64_t>(Vec::size(), n - i);
+      Vec::loadu(a + i, count).exp().store(a + i, count);
     }
   }
 
@@ -174,7 +240,16 @@ struct SoftmaxReducer {
   // w += sum_r p[r] * x[r], row by row for each element.
   void add_rows(acc* w, const acc* p, const scalar_t* const* x, int k, int64_t stride) const {
     int64_t i = 0;
-    if (stride == 1) {
+    if (stride == 1 && k == kRowGroup) {  // the common case, unrolled: the four weights stay in registers
+      static_assert(kRowGroup == 4);
+      const Vec p0(p[0]), p1(p[1]), p2(p[2]), p3(p[3]);
+      for (; i + Vec::size() <= head_dim; i += Vec::size()) {
+        Vec a = at::vec::fmadd(p0, load_widened(x[0] + i), Vec::loadu(w + i));
+        a = at::vec::fmadd(p1, load_widened(x[1] + i), a);
+        a = at::vec::fmadd(p2, load_widened(x[2] + i), a);
+        at::vec::fmadd(p3, load_widened(x[3] + i), a).store(w + i);
+      }
+    } else if (stride == 1) {
       for (; i + Vec::size() <= head_dim; i += Vec::size()) {
         Vec a = Vec::loadu(w + i);
         for (int r = 0; r < k; ++r) {
@@ -223,13 +298,14 @@ void attention_forward_typed(const at::Tensor& hidden, const AttentionRows& rows
   for_each_chunk(list, batch, dim, head_dim, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n,
                                                  const ChunkRows& chunk_rows) {
     const int64_t h0 = d0 / head_dim, block_heads = n / head_dim;
-    std::vector<acc> state(n + 2 * block_heads);
+    std::vector<acc> state(n + (2 + kRowGroup) * block_heads);
     std::vector<double> totals(n + block_heads);
     acc* scores = w != nullptr ? w + b * weights_batch + h0 * seq_len : nullptr;
     SoftmaxReducer<scalar_t> reducer{q + d0,          static_cast<acc>(scale), block_heads,
                                      head_dim,        state.data(),            totals.data(),
                                      state.data() + n, state.data() + n + block_heads, totals.data() + n,
-                                     scores,          seq_len};
+                                     scores,          seq_len,
+                                     state.data() + n + 2 * block_heads};
     if (reduce_rows(h + b * sb + d0 * sd, sl, sd, n, chunk_rows, reducer) > 0) {
       reducer.fold();
       const int64_t part = b * chunks + chunk;
@@ -344,7 +420,7 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
                                                  const ChunkRows& chunk_rows) {
     const int64_t h0 = d0 / head_dim, block_heads = n / head_dim, part = b * chunks + chunk;
     // Rows add into the current run's sums (accumulation type), folded into the float64 partials every kFoldRows.
-    std::vector<acc> run(2 * n + block_heads, acc(0));
+    std::vector<acc> run(2 * n + block_heads, acc(0)), scores(block_heads);
     const auto fold = [&] {
       fold_chunk(part_pex.data() + part * dim + d0, run.data(), n);
       fold_chunk(part_px.data() + part * dim + d0, run.data() + n, n);
@@ -358,10 +434,11 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
     int64_t in_run = 0;
     chunk_rows.each([&](int64_t l) {
       const scalar_t* row = text + l * sl;
+      row_scores(row, sd, qb, block_heads, head_dim, sc, scores.data());
       for (int64_t hh = 0; hh < block_heads; ++hh) {
         const int64_t offset = hh * head_dim, at = (b * row_batch + h0 + hh) * seq_len + l;
         const scalar_t* x = row + offset * sd;
-        const acc p = probability(dot<false>(x, sd, nullptr, qb + offset, head_dim) * sc, text_stats + 2 * hh);
+        const acc p = probability(scores[hh], text_stats + 2 * hh);
         const acc e = dot<true>(x, sd, mb + offset, gb + offset, head_dim) + (gw != nullptr ? gw[at] : acc(0));
         prob[at] = p;
         err[at] = e;

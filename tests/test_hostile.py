@@ -61,7 +61,7 @@ def test_float16_means_of_large_values_do_not_overflow(value):
                        torch.full((1, 3), value, dtype=torch.float16))
 
 
-def test_a_long_text_gives_the_same_bits_alone_padded_and_on_any_number_of_threads():
+def test_a_long_text_gives_the_same_bits_alone_padded_packed_and_on_any_number_of_threads():
     gen = torch.Generator().manual_seed(9)
     text = torch.randn(1, 5000, 96, generator=gen)
     batch = torch.randn(3, 6100, 96, generator=gen)
@@ -69,18 +69,28 @@ def test_a_long_text_gives_the_same_bits_alone_padded_and_on_any_number_of_threa
     mask = torch.zeros(3, 6100, dtype=torch.bool)
     mask[1, 1100:] = True
     mask[0] = True
+    # Packed between a long and a short text (every row selected: the kernels take each text's run of rows).
+    packed = torch.cat([batch[0], text[0], batch[2, :300]])
+    offsets = torch.tensor([0, 6100, 11100, 11400], dtype=torch.int32)
+    query = torch.randn(4, 24, generator=gen)
     threads = torch.get_num_threads()
     try:
         results = []
         for n in (1, threads):
             torch.set_num_threads(n)
-            results.append([lmk_ops.mean_pool(text)[0], lmk_ops.mean_pool(batch, mask)[1],
-                            lmk_ops.max_pool(text)[0], lmk_ops.max_pool(batch, mask)[1]])
+            results.append([
+                [lmk_ops.mean_pool(text)[0], lmk_ops.mean_pool(batch, mask)[1],
+                 lmk_ops.mean_pool(packed, cu_seqlens=offsets)[1]],
+                [lmk_ops.max_pool(text)[0], lmk_ops.max_pool(batch, mask)[1],
+                 lmk_ops.max_pool(packed, cu_seqlens=offsets)[1]],
+                [lmk_ops.attention_pool(text, None, query)[0], lmk_ops.attention_pool(batch, mask, query)[1],
+                 lmk_ops.attention_pool(packed, None, query, cu_seqlens=offsets)[1]]])
     finally:
         torch.set_num_threads(threads)
     for run in results:
-        assert torch.equal(run[0], run[1]) and torch.equal(run[2], run[3])
-        assert torch.equal(run[0], results[0][0]) and torch.equal(run[2], results[0][2])
+        for op, first in zip(run, results[0]):
+            assert all(torch.equal(op[0], other) for other in op[1:])
+            assert torch.equal(op[0], first[0])
 
 
 # --- differentiation modes ----------------------------------------------------------------------------------------

@@ -83,6 +83,13 @@ at::Tensor PackedBatch::list_rows(const at::Tensor& selected) const {
   return rows.narrow(0, 0, batch * k).view({batch, k});
 }
 
+RowSelection PackedBatch::selection(const at::Tensor& selected) const {
+  if (offsets.is_cpu() && !selected.defined()) {
+    return {at::Tensor(), at::Tensor(), starts.contiguous(), lengths.contiguous()};
+  }
+  return {at::Tensor(), list_rows(selected)};
+}
+
 at::Tensor PackedBatch::count(const at::Tensor& selected) const {
   const at::Tensor before = selected_before(selected);
   return before.index_select(0, offsets.narrow(0, 1, batch)) - before.index_select(0, starts);

@@ -37,6 +37,10 @@ struct PackedBatch {
   // The absolute rows where selected [T] (bool) is true, per text in order, as [B, width] padded with -1; every row
   // of each text when selected is undefined.
   at::Tensor list_rows(const at::Tensor& selected) const;
+  // The rows the forward kernels reduce, for the [B, T, D] batch view: where selected [T] (bool) is true, as
+  // list_rows gives them; every row of each text (selected undefined) as runs on CPU (row_selection.h), listed on
+  // CUDA.
+  RowSelection selection(const at::Tensor& selected) const;
   // How many rows each text has where selected [T] (bool) is true, [B] int64.
   at::Tensor count(const at::Tensor& selected) const;
 };

@@ -4,12 +4,15 @@
 
 namespace lmk_ops {
 
-// Every row (both undefined), the rows where a contiguous bool [B, L] mask is true, or the rows listed in
-// contiguous int64 [B, K] positions (-1 entries skipped; the others checked to lie in [0, L); a repeated position
-// counts as often as it is listed).
+// Every row (all undefined), the rows where a contiguous bool [B, L] mask is true, the rows listed in contiguous
+// int64 [B, K] positions (-1 entries skipped; the others checked to lie in [0, L); a repeated position counts as
+// often as it is listed), or runs: text b's rows are [starts[b], starts[b] + lengths[b]) (contiguous int64 [B]; a
+// packed batch's texts, every row selected; on CPU only, where listing them would cost more than the reduction's
+// share of a pass, so PackedBatch::selection gives this form on CPU alone).
 struct RowSelection {
   at::Tensor mask;
   at::Tensor positions;
+  at::Tensor starts, lengths;
 };
 
 }  // namespace lmk_ops

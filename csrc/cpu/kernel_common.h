@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "common/row_selection.h"
 #include "cpu/row_list.h"
@@ -67,20 +68,26 @@ inline int64_t chunks_for(int64_t upper) {
 
 // Calls body(b, chunk, d0, n, rows) for every (text, chunk of its selected rows, block of features) task, in
 // parallel; a text with no selected row still gets its chunk 0 (with no rows), to write its zeros. Blocks are whole
-// units (attention heads).
+// units (attention heads). Only the chunks texts have are tasks, numbered text by text, so the even split of the
+// task range over the threads is an even split of the rows too when the texts' lengths differ (a packed batch).
 template <typename Body>
 void for_each_chunk(const RowList& list, int64_t batch, int64_t dim, int64_t unit, const Body& body) {
-  const int64_t chunks = chunks_for(list.upper());
-  const int64_t block = feature_block(batch * chunks, dim, unit);
+  // first_chunk[b]: how many chunks the texts before b have.
+  std::vector<int64_t> first_chunk(batch + 1, 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    first_chunk[b + 1] = first_chunk[b] + chunks_for(list.rows(b));
+  }
+  const int64_t chunks = first_chunk[batch];
+  const int64_t block = feature_block(chunks, dim, unit);
   const int64_t blocks = (dim + block - 1) / block;
   const int64_t grain = std::max<int64_t>(1, kMinParallelWork / (std::min(kChunkRows, list.upper()) * block + 1));
-  at::parallel_for(0, batch * chunks * blocks, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, chunks * blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (chunks * blocks), chunk = task / blocks % chunks;
-      const int64_t d0 = task % blocks * block, first = chunk * kChunkRows, count = list.rows(b);
-      if (first < count || chunk == 0) {
-        body(b, chunk, d0, std::min(block, dim - d0), ChunkRows{&list, b, first, std::min(first + kChunkRows, count)});
-      }
+      const int64_t index = task / blocks, d0 = task % blocks * block;
+      const int64_t b = std::upper_bound(first_chunk.begin(), first_chunk.end(), index) - first_chunk.begin() - 1;
+      const int64_t chunk = index - first_chunk[b], first = chunk * kChunkRows;
+      body(b, chunk, d0, std::min(block, dim - d0),
+           ChunkRows{&list, b, first, std::min(first + kChunkRows, list.rows(b))});
     }
   });
 }
@@ -135,14 +142,15 @@ struct RowGroup {
 };
 
 // Prefetches the cache line of the next group's rows at feature i, once per 64-byte line (contiguous rows), for
-// 16-bit types only. Measured on the 2-core AVX2 machine, one text of 32768 x 1024: four 2 KB bfloat16 rows read
-// side by side are streams the hardware prefetcher follows late (a sum at 1.5x a linear read, 1.05x with this);
-// float32 rows are read at the floor without it and 5-15% slower with it.
+// element types of up to kWidest bytes. Measured on the 2-core AVX2 machine, one text of 32768 x 1024: four 2 KB
+// bfloat16 rows read side by side are streams the hardware prefetcher follows late (a sum at 1.5x a linear read,
+// 1.05x with this), and so are float32 rows under the heavier maximum (1.2-1.3x hidden.sum() -> 1.1x); a float32
+// sum is read at the floor without it and 5-15% slower with it. So the sum passes 2, the maximum 4.
 // Always inlined: as a call, GCC finds the function free of side effects (a prefetch only reads) and deletes it.
-template <typename scalar_t>
+template <size_t kWidest, typename scalar_t>
 [[gnu::always_inline]] inline void prefetch_ahead(const RowGroup<scalar_t>& group, int64_t i) {
   constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(scalar_t));
-  if (sizeof(scalar_t) == 2 && (i & (kLine - 1)) == 0) {
+  if (sizeof(scalar_t) <= kWidest && (i & (kLine - 1)) == 0) {
     for (int r = 0; r < group.k; ++r) {
       __builtin_prefetch(group.ahead[r] + i);
     }

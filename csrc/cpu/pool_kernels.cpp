@@ -76,7 +76,7 @@ struct SumReducer {
     int64_t i = 0;
     if (stride == 1) {
       for (; i + Vec::size() <= width; i += Vec::size()) {
-        prefetch_ahead(g, i);
+        prefetch_ahead<2>(g, i);
         Vec group = load_widened(rows[0] + i);
         if (k == kRowGroup) {
           static_assert(kRowGroup == 4);
@@ -148,7 +148,7 @@ struct MaxReducer {
         positions[r] = at::vec::cast<acc>(Vectorized<index_t>(static_cast<index_t>(ls[r])));
       }
       for (; i + Vec::size() <= n; i += Vec::size()) {
-        prefetch_ahead(g, i);
+        prefetch_ahead<4>(g, i);
         Vec m = Vec::loadu(best + i);
         Vec w = Vec::loadu(where + i);
         for (int r = 0; r < k; ++r) {

@@ -7,24 +7,25 @@
 
 namespace lmk_ops::cpu {
 
-// A view: text b has rows(b) selected rows, the j-th being row(b, j). (An explicit flag for "every row": an empty
-// list of positions has no data pointer either.)
+// A view: text b has rows(b) selected rows, the j-th being row(b, j): listed in order, or else a run of rows
+// from start[b] (from 0 when start is null). (An explicit flag for "listed": an empty list of positions has no data
+// pointer either.)
 struct RowList {
-  const int64_t* order = nullptr;  // [B, width]
-  const int64_t* count = nullptr;  // [B]
-  int64_t width = 0;
+  const int64_t* order = nullptr;  // [B, width]: the listed rows
+  const int64_t* count = nullptr;  // [B]: rows per text; seq_len each when null
+  const int64_t* start = nullptr;  // [B]: where each text's run starts, unless listed
+  int64_t width = 0;               // the most rows a text has
   int64_t seq_len = 0;
-  bool every_row = true;
+  bool listed = false;
 
   int64_t rows(int64_t b) const {
-    return every_row ? seq_len : count[b];
+    return count != nullptr ? count[b] : seq_len;
   }
   int64_t row(int64_t b, int64_t j) const {
-    return every_row ? j : order[b * width + j];
+    return listed ? order[b * width + j] : (start != nullptr ? start[b] : 0) + j;
   }
-  // The most rows a text can have.
   int64_t upper() const {
-    return every_row ? seq_len : width;
+    return width;
   }
 };
 
@@ -34,7 +35,8 @@ struct RowListing {
   RowList view;
 };
 
-// The true rows of a mask, or the entries of positions that are not -1, in order (nothing listed for every row).
+// The true rows of a mask, or the entries of positions that are not -1, in order (nothing listed for every row or
+// for runs).
 RowListing list_rows(const RowSelection& selection, int64_t batch, int64_t seq_len);
 
 }  // namespace lmk_ops::cpu

@@ -142,8 +142,14 @@ void scatter_rows(const at::Tensor& grad, const at::Tensor& positions, at::Tenso
 
 RowListing list_rows(const RowSelection& selection, int64_t batch, int64_t seq_len) {
   const bool by_mask = selection.mask.defined();
+  if (selection.starts.defined()) {
+    const int64_t* lengths = selection.lengths.const_data_ptr<int64_t>();
+    const int64_t longest = batch > 0 ? *std::max_element(lengths, lengths + batch) : 0;
+    return {at::Tensor(), at::Tensor(),
+            RowList{nullptr, lengths, selection.starts.const_data_ptr<int64_t>(), longest, seq_len, /*listed=*/false}};
+  }
   if (!by_mask && !selection.positions.defined()) {
-    return {at::Tensor(), at::Tensor(), RowList{nullptr, nullptr, seq_len, seq_len, /*every_row=*/true}};
+    return {at::Tensor(), at::Tensor(), RowList{nullptr, nullptr, nullptr, seq_len, seq_len, /*listed=*/false}};
   }
   const int64_t width = by_mask ? seq_len : selection.positions.size(1);
   const at::TensorOptions options = at::TensorOptions().dtype(at::kLong);
@@ -165,7 +171,7 @@ RowListing list_rows(const RowSelection& selection, int64_t batch, int64_t seq_l
                        c[b] = n;
                      }
                    });
-  return {order, count, RowList{o, c, width, seq_len, /*every_row=*/false}};
+  return {order, count, RowList{o, c, nullptr, width, seq_len, /*listed=*/true}};
 }
 
 void check_range(const at::Tensor& values, int64_t lo, int64_t hi, const std::string& expected, bool landmarks) {

@@ -362,6 +362,7 @@ std::pair<at::Tensor, at::Tensor> invert_positions(const at::Tensor& positions, 
 }  // namespace
 
 RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_len) {
+  TORCH_INTERNAL_ASSERT(!selection.starts.defined(), "lmk_ops: runs of rows are a CPU form (PackedBatch::selection)");
   if (selection.mask.defined()) {
     const at::Tensor& mask = selection.mask;
     at::Tensor order = at::empty({batch, seq_len}, mask.options().dtype(at::kLong));

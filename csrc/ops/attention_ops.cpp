@@ -50,7 +50,7 @@ AttentionRows padded_rows(const at::Tensor& valid) {
 }
 
 AttentionRows packed_rows(const PackedBatch& packed, const at::Tensor& valid) {
-  return {{at::Tensor(), packed.list_rows(valid)}, valid, packed.text_of_rows()};
+  return {packed.selection(valid), valid, packed.text_of_rows()};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward(const at::Tensor& hidden, const AttentionRows& rows,

@@ -25,7 +25,7 @@ std::tuple<at::Tensor, at::Tensor> mean_pool(const at::Tensor& hidden, const std
   if (cu_seqlens.has_value()) {
     const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen);
     const at::Tensor valid = prepare_packed_mask(op, mask, packed, hidden);
-    return mean_of_rows(packed.batch_view(hidden), {at::Tensor(), packed.list_rows(valid)}, normalize);
+    return mean_of_rows(packed.batch_view(hidden), packed.selection(valid), normalize);
   }
   check_hidden(op, hidden);
   const RowSelection rows{prepare_mask(op, mask, hidden.size(0), hidden.size(1), hidden), at::Tensor()};
@@ -81,7 +81,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> max_pool(const at::Tensor& hidden
     check_argmax_rows(op, "T", packed.tokens);
     const at::Tensor valid = prepare_packed_mask(op, mask, packed, hidden);
     auto [out, rows, pooled] =
-        max_of_rows(packed.batch_view(hidden), {at::Tensor(), packed.list_rows(valid)}, normalize);
+        max_of_rows(packed.batch_view(hidden), packed.selection(valid), normalize);
     // The kernels found absolute rows of hidden; the op returns positions from each text's start.
     return {out, packed.relative(rows.to(at::kLong)).to(at::kInt), pooled};
   }

@@ -200,6 +200,17 @@ def test_bad_packed_inputs_name_the_op():
         lmk_ops.first_token_pool(hidden, cu_seqlens=torch.tensor([0, 3, 8]))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_offsets_as_a_strided_view(device, dtype):
+    hidden = torch.randn(9, 5, device=device)
+    offsets = torch.tensor([0, 4, 4, 9], dtype=dtype, device=device)
+    strided = torch.stack([offsets, offsets + 100], 1)[:, 0]
+    assert not strided.is_contiguous()
+    for fn in (lmk_ops.mean_pool, lmk_ops.max_pool, lmk_ops.first_token_pool, lmk_ops.last_token_pool):
+        assert torch.equal(fn(hidden, cu_seqlens=strided), fn(hidden, cu_seqlens=offsets))
+
+
 def test_packed_inputs_are_not_modified():
     hidden, offsets, mask = torch.randn(7, 4), torch.tensor([0, 3, 7], dtype=torch.int32), torch.ones(7, dtype=torch.long)
     before = (hidden.clone(), offsets.clone(), mask.clone())

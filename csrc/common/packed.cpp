@@ -1,12 +1,15 @@
 #include "common/packed.h"
 
+#include <ATen/Dispatch.h>
 #include <ATen/TensorOperators.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 
+#include <algorithm>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -52,22 +55,29 @@ at::Tensor PackedBatch::relative(const at::Tensor& rows) const {
 }
 
 at::Tensor PackedBatch::list_rows(const at::Tensor& selected) const {
-  const int64_t k = width();
-  if (offsets.is_cpu()) {  // one pass over the rows, where the ATen form below takes several
-    at::Tensor rows = at::full({batch, k}, -1, offsets.options());
+  if (offsets.is_cpu()) {  // two passes over the rows (count, list), where the ATen form below takes several
     const int64_t* o = offsets.const_data_ptr<int64_t>();
     const bool* s = selected.defined() ? selected.const_data_ptr<bool>() : nullptr;
+    const auto selected_in = [&](int64_t b) {
+      return s == nullptr ? o[b + 1] - o[b] : std::count(s + o[b], s + o[b + 1], true);
+    };
+    int64_t k = 0;  // as wide as the most rows a text has selected (landmarks: a few of its rows)
+    for (int64_t b = 0; b < batch; ++b) {
+      k = std::max<int64_t>(k, selected_in(b));
+    }
+    at::Tensor rows = at::full({batch, k}, -1, offsets.options());
     int64_t* out = rows.data_ptr<int64_t>();
     for (int64_t b = 0; b < batch; ++b) {
       int64_t* listed = out + b * k;
       for (int64_t t = o[b], j = 0; t < o[b + 1]; ++t) {
-        if ((s == nullptr || s[t]) && j < k) {  // (k is at least each text's length: checked in the forward)
+        if (s == nullptr || s[t]) {
           listed[j++] = t;
         }
       }
     }
     return rows;
   }
+  const int64_t k = width();
   if (!selected.defined()) {
     const at::Tensor column = at::arange(k, offsets.options()).unsqueeze(0);
     return at::where(column.lt(lengths.unsqueeze(1)), column + starts.unsqueeze(1), -1).contiguous();
@@ -110,12 +120,29 @@ PackedBatch prepare_packed(const char* op, int64_t tokens, const at::Tensor& lik
       !max_seqlen.has_value() || *max_seqlen >= 0, "lmk_ops.", op, ": expected max_seqlen >= 0, got ",
       max_seqlen.value_or(0));
   PackedBatch packed;
-  packed.offsets = cu_seqlens.to(at::kLong).contiguous();
   packed.batch = cu_seqlens.size(0) - 1;
   packed.tokens = tokens;
   packed.max_seqlen = max_seqlen;
+  if (cu_seqlens.is_cpu()) {  // one loop: the ATen ops would cost more than the work (a first_token_pool's share)
+    packed.offsets = at::empty({packed.batch + 1}, cu_seqlens.options().dtype(at::kLong));
+    packed.lengths = at::empty({packed.batch}, packed.offsets.options());
+    int64_t* o = packed.offsets.data_ptr<int64_t>();
+    int64_t* n = packed.lengths.data_ptr<int64_t>();
+    const int64_t stride = cu_seqlens.stride(0);
+    AT_DISPATCH_INDEX_TYPES(cu_seqlens.scalar_type(), "prepare_packed", [&] {
+      const index_t* c = cu_seqlens.const_data_ptr<index_t>();
+      for (int64_t b = 0; b <= packed.batch; ++b) {
+        o[b] = c[b * stride];
+        if (b > 0) {
+          n[b - 1] = o[b] - o[b - 1];
+        }
+      }
+    });
+  } else {
+    packed.offsets = cu_seqlens.to(at::kLong).contiguous();
+    packed.lengths = packed.offsets.narrow(0, 1, packed.batch) - packed.offsets.narrow(0, 0, packed.batch);
+  }
   packed.starts = packed.offsets.narrow(0, 0, packed.batch);
-  packed.lengths = packed.offsets.narrow(0, 1, packed.batch) - packed.starts;
   if (values == Values::kCheck) {
     const Kernels& k = kernels_for(like);
     k.check_range(packed.offsets.narrow(0, 0, 1).view({1, 1}), 0, 0, message(op, "expected cu_seqlens[0] = 0"),

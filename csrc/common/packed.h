@@ -34,8 +34,8 @@ struct PackedBatch {
   at::Tensor absolute(const at::Tensor& positions) const;
   // Absolute rows of hidden ([B, K], -1 padded) counted from each text's start again.
   at::Tensor relative(const at::Tensor& rows) const;
-  // The absolute rows where selected [T] (bool) is true, per text in order, as [B, width] padded with -1; every row
-  // of each text when selected is undefined.
+  // The absolute rows where selected [T] (bool) is true, per text in order, as [B, K] padded with -1 (K: at least
+  // the most rows a text has selected, exactly that on CPU); every row of each text when selected is undefined.
   at::Tensor list_rows(const at::Tensor& selected) const;
   // The rows the forward kernels reduce, for the [B, T, D] batch view: where selected [T] (bool) is true, as
   // list_rows gives them; every row of each text (selected undefined) as runs on CPU (row_selection.h), listed on

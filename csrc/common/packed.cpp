@@ -51,7 +51,19 @@ at::Tensor PackedBatch::absolute(const at::Tensor& positions) const {
 }
 
 at::Tensor PackedBatch::relative(const at::Tensor& rows) const {
-  return at::where(rows.ge(0), rows - starts.unsqueeze(1), -1);
+  if (rows.is_cpu()) {  // one loop: a max_pool's [B, D] positions through three ATen ops cost 5% of its time
+    at::Tensor out = rows.contiguous().clone();
+    const int64_t* s = starts.const_data_ptr<int64_t>();
+    const int64_t width = rows.size(1);
+    AT_DISPATCH_INDEX_TYPES(out.scalar_type(), "relative", [&] {
+      index_t* r = out.data_ptr<index_t>();
+      for (int64_t i = 0; i < out.numel(); ++i) {
+        r[i] = r[i] >= 0 ? static_cast<index_t>(r[i] - s[i / width]) : index_t(-1);
+      }
+    });
+    return out;
+  }
+  return at::where(rows.ge(0), rows - starts.unsqueeze(1), -1).to(rows.scalar_type());
 }
 
 at::Tensor PackedBatch::list_rows(const at::Tensor& selected) const {

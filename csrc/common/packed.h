@@ -32,7 +32,7 @@ struct PackedBatch {
   at::Tensor text_of_rows() const;
   // Positions counted from each text's start ([B, K], -1 padded) as absolute rows of hidden; -1 stays -1.
   at::Tensor absolute(const at::Tensor& positions) const;
-  // Absolute rows of hidden ([B, K], -1 padded) counted from each text's start again.
+  // Absolute rows of hidden ([B, K] int32 or int64, -1 padded) counted from each text's start again, in their dtype.
   at::Tensor relative(const at::Tensor& rows) const;
   // The absolute rows where selected [T] (bool) is true, per text in order, as [B, K] padded with -1 (K: at least
   // the most rows a text has selected, exactly that on CPU); every row of each text when selected is undefined.

@@ -83,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> max_pool(const at::Tensor& hidden
     auto [out, rows, pooled] =
         max_of_rows(packed.batch_view(hidden), packed.selection(valid), normalize);
     // The kernels found absolute rows of hidden; the op returns positions from each text's start.
-    return {out, packed.relative(rows.to(at::kLong)).to(at::kInt), pooled};
+    return {out, packed.relative(rows), pooled};
   }
   check_hidden(op, hidden);
   check_argmax_rows(op, "L", hidden.size(1));

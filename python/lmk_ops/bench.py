@@ -113,6 +113,30 @@ def time_ms(fn, device: str, min_time=0.15, min_reps=5, max_reps=100, slow_ms=10
     return statistics.median(samples)
 
 
+def time_together(fns: dict, device: str, min_time=0.3, min_reps=5, max_reps=100, slow_ms=100.0) -> dict:
+    """Median milliseconds of each function (None stays None), the fast ones timed in turns (one call of each per
+    round) so that all see the same state of the machine: a ratio of two of them (lmk_ops over hidden.sum(), packed
+    over padded) then holds where separate timings minutes apart drift by 10-30% on a shared machine. A function
+    whose warm-up call is slower than slow_ms is timed on its own by time_ms."""
+    first = {}
+    for name, fn in fns.items():
+        if fn is not None:
+            fn()
+            first[name] = call_ms(fn, device)
+    turns = {name: fns[name] for name, ms in first.items() if ms <= slow_ms}
+    samples = {name: [first[name]] for name in turns}
+    while turns:
+        for name, fn in turns.items():
+            samples[name].append(call_ms(fn, device))
+        reps = len(next(iter(samples.values())))
+        spent = sum(sum(v) for v in samples.values()) / 1e3
+        if reps >= max_reps or (reps >= min_reps and spent >= min_time):
+            break
+    return {name: (statistics.median(samples[name]) if name in samples
+                   else time_ms(fn, device, slow_ms=slow_ms) if fn is not None else None)
+            for name, fn in fns.items()}
+
+
 @dataclass
 class Row:
     op: str
@@ -175,16 +199,17 @@ def bench_case(op, dtype_name, shape, device, padding) -> list[Row]:
         query = torch.randn(heads, shape[2] // heads, generator=torch.Generator().manual_seed(1)).to(device, dtype)
         second = (mask, query)
     impls = implementations(op)
-    floor_before = time_ms(lambda: hidden.sum(), device)
     valid_bytes = hidden.element_size() * shape[2] * int((rows != 0).sum())
     shape_str = "x".join(map(str, shape))
     results = []
     with torch.no_grad():
-        times = {name: time_ms(lambda f=f: f(hidden, second), device) for name, f in impls.items()}
-        mean_pool_ms = time_ms(lambda: lmk_ops.mean_pool(hidden, mask), device) if op in LANDMARK_ENTRIES else None
-    # The floor is timed on both sides of the contenders and the faster kept, so that one slow sample cannot make
-    # lmk_ops look closer to it than it is.
-    floor = min(floor_before, time_ms(lambda: hidden.sum(), device))
+        # lmk_ops, the floor (and mean_pool beside landmark_mean) in turns; the contenders, much slower, after.
+        together = time_together({"lmk_ops": lambda: impls["lmk_ops"](hidden, second), "floor": lambda: hidden.sum(),
+                                  "mean_pool": (lambda: lmk_ops.mean_pool(hidden, mask)) if op in LANDMARK_ENTRIES
+                                  else None}, device)
+        times = {name: together["lmk_ops"] if name == "lmk_ops" else time_ms(lambda f=f: f(hidden, second), device)
+                 for name, f in impls.items()}
+    floor, mean_pool_ms = together["floor"], together["mean_pool"]
     results.append(Row(row_name, dtype_name, shape_str, "forward", times["lmk_ops"], times["eager"], times["compiled"],
                        floor, valid_bytes / times["lmk_ops"] / 1e6, mean_pool_ms))
     h = hidden.clone().requires_grad_()
@@ -268,11 +293,9 @@ def bench_packed(op, dtype_name, spec, device) -> PackedRow:
         ours = lambda: fn(hidden, **packed_kw)  # noqa: E731
         theirs = lambda: fn(padded, valid)  # noqa: E731
     with torch.no_grad():
-        floor_before = time_ms(lambda: hidden.sum(), device)
-        times = {"ours": time_ms(ours, device), "padded": time_ms(theirs, device)}
-        for name, f in packed_contenders(op, hidden, offsets, landmarks).items():
-            times[name] = time_ms(f, device) if f is not None else None
-        floor = min(floor_before, time_ms(lambda: hidden.sum(), device))
+        times = time_together({"ours": ours, "padded": theirs, "floor": lambda: hidden.sum(),
+                               **packed_contenders(op, hidden, offsets, landmarks)}, device)
+        floor = times["floor"]
     return PackedRow(op, dtype_name, f"{len(lengths)} texts, {tokens}x{dim}", times["ours"], times["padded"],
                      times["segment_reduce"], times["index_add"], times["index_add_fp32"], floor)
 

@@ -1,0 +1,36 @@
+"""The benchmark report (python -m lmk_ops.bench) on tiny shapes: a clean table on stdout (progress on stderr), every
+op's rows and the packed rows, and the JSON beside it; its timer takes turns between the functions it compares."""
+
+from __future__ import annotations
+
+import json
+
+from lmk_ops import bench
+
+
+def test_report_writes_a_clean_table_and_its_json(tmp_path, capsys):
+    path = tmp_path / "report.json"
+    assert bench.main(["--shapes", "2x16x64", "--ops", "mean_pool,max_pool", "--dtype", "float32",
+                       "--packed", "3x2-9x64", "--json", str(path)]) in (0, None)
+    out, err = capsys.readouterr()
+    assert "\r" not in out and "[1/" in err  # progress only on stderr
+    report = json.loads(path.read_text())
+    assert {(r["op"], r["mode"]) for r in report["rows"]} == {
+        (op, mode) for op in ("mean_pool", "max_pool") for mode in ("forward", "forward+backward")}
+    assert all(r["x_floor"] > 0 for r in report["rows"] if r["mode"] == "forward")
+    packed = {(r["op"], r["dtype"]) for r in report["packed_rows"]}
+    assert packed == {("mean_pool", "float32"), ("max_pool", "float32")}
+    assert all(r["lmk_ops_ms"] > 0 and r["padded_ms"] > 0 and r["floor_ms"] > 0 for r in report["packed_rows"])
+    for line in out.splitlines():
+        if line.startswith(("mean_pool", "max_pool")):
+            assert len(line.split()) >= 6, line
+
+
+def test_time_together_takes_turns_and_keeps_none():
+    calls = []
+    times = bench.time_together({"a": lambda: calls.append("a"), "b": lambda: calls.append("b"), "c": None}, "cpu",
+                                min_time=0.0, min_reps=4)
+    assert times["c"] is None and times["a"] >= 0 and times["b"] >= 0
+    # A warm-up call and a first timed call each, then rounds of one call of each in turn.
+    assert calls[:4] == ["a", "a", "b", "b"] and calls[4:] == ["a", "b"] * ((len(calls) - 4) // 2)
+    assert len(calls) >= 2 + 2 * 4

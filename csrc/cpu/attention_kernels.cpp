@@ -8,8 +8,8 @@
 // Forward, per chunk: one pass over the chunk's rows with an online softmax, a group of rows at a time. The group's
 // rows get their scores for every head of the block (each row read front to back once), per head the running
 // maximum moves up if a score passes it (rescaling the running total and the weighted row sum once per group), the
-// group's weights exp(score - max) are taken together (vectorised over heads and rows), then each head's slices of
-// the rows are added with their weights (from cache). Nothing
+// group's weights exp(score - max) are taken together, then each head's slices of the rows are added with their
+// weights (from cache). Nothing
 // can overflow: every exponent is <= 0. Sums run in float32 over kFoldRows rows and are folded into float64, and
 // the chunks' (max, total, weighted sum) are merged in float64, so the error does not grow with L. Only the softmax
 // statistics are kept for the backward: per text and head the maximum score and the sum of exp(score - max).
@@ -194,7 +194,7 @@ struct SoftmaxReducer {
         running_max[h] = group_max;
       }
     }
-    // The weights exp(score - max), all of the group's at once (vectorised over heads and rows).
+    // The weights exp(score - max), all of the group's at once.
     for (int r = 0; r < k; ++r) {
       for (int64_t h = 0; h < heads; ++h) {
         group_scores[r * heads + h] -= running_max[h];
@@ -217,10 +217,11 @@ struct SoftmaxReducer {
     }
   }
 
+  // The C library's exp, not a vectorised one (Sleef's 1-ulp exp): within half an ulp, its weights keep a
+  // float16 output's rounding as close as the reference's, and it measured no slower here.
   static void exp_in_place(acc* a, int64_t n) {
-    for (int64_t i = 0; i < n; i += Vec::size()) {
-      const int64_t count = std::min<int64_t>(Vec::size(), n - i);
-      Vec::loadu(a + i, count).exp().store(a + i, count);
+    for (int64_t i = 0; i < n; ++i) {
+      a[i] = std::exp(a[i]);
     }
   }
 

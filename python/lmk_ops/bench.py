@@ -113,25 +113,28 @@ def time_ms(fn, device: str, min_time=0.15, min_reps=5, max_reps=100, slow_ms=10
     return statistics.median(samples)
 
 
-def time_together(fns: dict, device: str, min_time=0.3, min_reps=5, max_reps=100, slow_ms=100.0) -> dict:
-    """Median milliseconds of each function (None stays None), the fast ones timed in turns (one call of each per
-    round) so that all see the same state of the machine: a ratio of two of them (lmk_ops over hidden.sum(), packed
-    over padded) then holds where separate timings minutes apart drift by 10-30% on a shared machine. A function
-    whose warm-up call is slower than slow_ms is timed on its own by time_ms."""
+def time_together(fns: dict, device: str, min_time=0.3, min_rounds=3, block_ms=20.0, slow_ms=100.0) -> dict:
+    """Median milliseconds of each function (None stays None), the fast ones timed in turns: each round calls every
+    function for about block_ms in a row, so that all see the same state of the machine (a ratio of two of them,
+    lmk_ops over hidden.sum() or packed over padded, then holds where timings taken minutes apart drift by 10-30% on
+    a shared machine), and each is timed warm, as time_ms times it, not right after another's cache-flushing pass.
+    A function whose warm-up call is slower than slow_ms is timed on its own by time_ms."""
     first = {}
     for name, fn in fns.items():
         if fn is not None:
             fn()
             first[name] = call_ms(fn, device)
     turns = {name: fns[name] for name, ms in first.items() if ms <= slow_ms}
-    samples = {name: [first[name]] for name in turns}
-    while turns:
+    samples = {name: [] for name in turns}
+    rounds, spent = 0, 0.0
+    while turns and (rounds < min_rounds or spent < min_time * 1e3):
         for name, fn in turns.items():
-            samples[name].append(call_ms(fn, device))
-        reps = len(next(iter(samples.values())))
-        spent = sum(sum(v) for v in samples.values()) / 1e3
-        if reps >= max_reps or (reps >= min_reps and spent >= min_time):
-            break
+            block = [call_ms(fn, device)]
+            while sum(block) < block_ms:
+                block.append(call_ms(fn, device))
+            samples[name] += block
+            spent += sum(block)
+        rounds += 1
     return {name: (statistics.median(samples[name]) if name in samples
                    else time_ms(fn, device, slow_ms=slow_ms) if fn is not None else None)
             for name, fn in fns.items()}

@@ -31,6 +31,8 @@
 
 #include "common/dispatch.h"
 #include "cpu/attention_kernels.h"
+#include "cpu/bf16_pairs.h"
+#include "cpu/exp.h"
 #include "cpu/kernel_common.h"
 
 namespace lmk_ops::cpu::CPU_CAPABILITY {
@@ -92,23 +94,54 @@ inline Vectorized<float> sum_lanes8(const Vectorized<float>* v) {
 }
 #endif
 
-// scale * <x_h, q_h> for each of `heads` heads (x_h: the row's slice of head h), into out[h]. The forward and the
-// backward both compute scores with this one function, so a score recomputed in the backward has the bits it had
-// in the forward. With AVX2, narrow heads of whole vectors on a contiguous row reduce their partial sums eight
-// heads at a time: one vector's horizontal sum costs as much as a 64-feature head's products otherwise.
+#if defined(CPU_CAPABILITY_AVX2)
+// partial_dot<false> of a bfloat16 row and a query in pair order (n a multiple of kPairBlock).
+inline Vectorized<float> partial_dot_pairs(const c10::BFloat16* x, const float* q, int64_t n) {
+  using Vec = Vectorized<float>;
+  constexpr int64_t kHalf = kPairBlock / 2;
+  Vec s[4] = {Vec(0), Vec(0), Vec(0), Vec(0)};
+  int64_t i = 0;
+  for (; i + 2 * kPairBlock <= n; i += 2 * kPairBlock) {  // two blocks a round: four independent chains
+    const Pairs a = load_pairs(x + i), b = load_pairs(x + i + kPairBlock);
+    s[0] = at::vec::fmadd(a.even, Vec::loadu(q + i), s[0]);
+    s[1] = at::vec::fmadd(a.odd, Vec::loadu(q + i + kHalf), s[1]);
+    s[2] = at::vec::fmadd(b.even, Vec::loadu(q + i + kPairBlock), s[2]);
+    s[3] = at::vec::fmadd(b.odd, Vec::loadu(q + i + kPairBlock + kHalf), s[3]);
+  }
+  if (i < n) {
+    const Pairs a = load_pairs(x + i);
+    s[0] = at::vec::fmadd(a.even, Vec::loadu(q + i), s[0]);
+    s[1] = at::vec::fmadd(a.odd, Vec::loadu(q + i + kHalf), s[1]);
+  }
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+#endif
+
+// scale * <x_h, q_h> for each of `heads` heads (x_h: the row's slice of head h), into out[h]; with `pairs`
+// (use_pairs()) the query is in pair order. The forward and the backward both compute scores with this one
+// function, so a score recomputed in the backward has the bits it had in the forward. With AVX2, narrow heads of
+// whole vectors on a contiguous row reduce their partial sums eight heads at a time: one vector's horizontal sum
+// costs as much as a 64-feature head's products otherwise.
 template <typename scalar_t>
 inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>* q, int64_t heads, int64_t head_dim,
-                       acc_t<scalar_t> scale, acc_t<scalar_t>* out) {
+                       acc_t<scalar_t> scale, bool pairs, acc_t<scalar_t>* out) {
   int64_t h = 0;
 #if defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<acc_t<scalar_t>, float>) {
-    if (stride == 1 && head_dim % 8 == 0 && head_dim <= 256) {
+    if (pairs || (stride == 1 && head_dim % 8 == 0 && head_dim <= 256)) {
       for (; h < heads; h += 8) {
         const int64_t count = std::min<int64_t>(8, heads - h);
         Vectorized<float> partial[8];
         for (int64_t j = 0; j < 8; ++j) {
-          partial[j] = j < count ? partial_dot<false>(x + (h + j) * head_dim, nullptr, q + (h + j) * head_dim, head_dim)
-                                 : Vectorized<float>(0);
+          const scalar_t* xj = x + (h + j) * head_dim;
+          const float* qj = q + (h + j) * head_dim;
+          if (j >= count) {
+            partial[j] = Vectorized<float>(0);
+          } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+            partial[j] = pairs ? partial_dot_pairs(xj, qj, head_dim) : partial_dot<false>(xj, nullptr, qj, head_dim);
+          } else {
+            partial[j] = partial_dot<false>(xj, nullptr, qj, head_dim);
+          }
         }
         (sum_lanes8(partial) * Vectorized<float>(scale)).store(out + h, count);
       }
@@ -141,6 +174,7 @@ struct SoftmaxReducer {
   const acc* query;  // the block's heads, [heads, head_dim]
   acc scale;
   int64_t heads, head_dim;
+  bool pairs;               // use_pairs(): query, weighted and weighted_total are in pair order
   acc* weighted;            // [n]: the current chunk's sum over rows of exp(score - running_max) * row
   double* weighted_total;   // [n]: the same over the folded chunks
   acc* running_max;         // [heads]
@@ -170,7 +204,7 @@ struct SoftmaxReducer {
     const int k = g.k;
     // The group's scores, row by row (each row read once, front to back): s[r * heads + h].
     for (int r = 0; r < k; ++r) {
-      row_scores(g.rows[r], stride, query, heads, head_dim, scale, group_scores + r * heads);
+      row_scores(g.rows[r], stride, query, heads, head_dim, scale, pairs, group_scores + r * heads);
       if (scores != nullptr) {
         for (int64_t h = 0; h < heads; ++h) {
           scores[h * seq_len + g.ls[r]] = group_scores[r * heads + h];
@@ -185,7 +219,7 @@ struct SoftmaxReducer {
       }                                                                 // poisons the total below
       if (group_max > running_max[h]) {
         if (running_max[h] != -std::numeric_limits<acc>::infinity()) {  // else nothing was added yet
-          const acc factor = std::exp(running_max[h] - group_max);
+          const acc factor = exp_acc(running_max[h] - group_max);
           scale_in_place(weighted_total + h * head_dim, factor);
           scale_in_place(weighted + h * head_dim, factor);
           total_sum[h] *= factor;
@@ -194,14 +228,13 @@ struct SoftmaxReducer {
         running_max[h] = group_max;
       }
     }
-    // The weights exp(score - max), all of the group's at once, by the C library's exp rather than a vectorised
-    // one (Sleef's 1-ulp exp): within half an ulp, its weights keep a float16 output's rounding as close as the
-    // reference's, and it measured no slower here.
+    // The weights exp(score - max), all of the group's at once (exp.h).
     for (int r = 0; r < k; ++r) {
       for (int64_t h = 0; h < heads; ++h) {
-        group_scores[r * heads + h] = std::exp(group_scores[r * heads + h] - running_max[h]);
+        group_scores[r * heads + h] -= running_max[h];
       }
     }
+    exp_in_place(group_scores, k * heads);
     for (int64_t h = 0; h < heads; ++h) {
       acc p[kRowGroup];
       const scalar_t* x[kRowGroup];
@@ -233,6 +266,14 @@ struct SoftmaxReducer {
 
   // w += sum_r p[r] * x[r], row by row for each element.
   void add_rows(acc* w, const acc* p, const scalar_t* const* x, int k, int64_t stride) const {
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      if (pairs) {
+        add_rows_pairs(w, p, x, k);
+        return;
+      }
+    }
+#endif
     int64_t i = 0;
     if (stride == 1 && k == kRowGroup) {  // the common case, unrolled: the four weights stay in registers
       static_assert(kRowGroup == 4);
@@ -258,7 +299,35 @@ struct SoftmaxReducer {
       }
     }
   }
+
+#if defined(CPU_CAPABILITY_AVX2)
+  // add_rows for bfloat16 rows with w in pair order.
+  void add_rows_pairs(float* w, const float* p, const c10::BFloat16* const* x, int k) const {
+    constexpr int64_t kHalf = kPairBlock / 2;
+    for (int64_t i = 0; i < head_dim; i += kPairBlock) {
+      Vec even = Vec::loadu(w + i), odd = Vec::loadu(w + i + kHalf);
+      for (int r = 0; r < k; ++r) {  // k is kRowGroup but for a chunk's first and last groups
+        const Pairs v = load_pairs(x[r] + i);
+        even = at::vec::fmadd(Vec(p[r]), v.even, even);
+        odd = at::vec::fmadd(Vec(p[r]), v.odd, odd);
+      }
+      even.store(w + i);
+      odd.store(w + i + kHalf);
+    }
+  }
+#endif
 };
+
+// The query as row_scores() takes it: q itself, or with `pairs` a copy in pair order (kept in `storage`).
+template <typename acc>
+inline const acc* score_query(const acc* q, int64_t dim, bool pairs, std::vector<acc>& storage) {
+  if (!pairs) {
+    return q;
+  }
+  storage.resize(dim);
+  to_pair_order(q, storage.data(), dim);
+  return storage.data();
+}
 
 // A score's probability from its text and head's statistics {max, sum}: exp(score - max) / sum, as a softmax
 // computes it. Kept as that pair rather than one log-sum-exp number max + log(sum), the statistics lose nothing at
@@ -266,7 +335,7 @@ struct SoftmaxReducer {
 // probability (and loses log(sum) entirely once |max| is large).
 template <typename acc>
 inline acc probability(acc score, const double* stats) {
-  return std::exp(score - static_cast<acc>(stats[0])) / static_cast<acc>(stats[1]);
+  return exp_acc(score - static_cast<acc>(stats[0])) / static_cast<acc>(stats[1]);
 }
 
 template <typename scalar_t>
@@ -286,6 +355,9 @@ void attention_forward_typed(const at::Tensor& hidden, const AttentionRows& rows
   const int64_t chunks = chunks_for(list.upper());
   // Where text b's weights start: [B, H, L], or one [H, T] for a packed batch (rows of texts never overlap).
   const int64_t weights_batch = rows.packed() ? 0 : heads * seq_len;
+  const bool pairs = use_pairs<scalar_t>(sd, head_dim);
+  std::vector<acc> query_storage;
+  const acc* qs = score_query(q, dim, pairs, query_storage);
   // Each chunk's softmax state (running max, total, weighted sum), merged per text below in chunk order.
   std::vector<acc> part_max(batch * chunks * heads);
   std::vector<double> part_sum(batch * chunks * heads), part_out(batch * chunks * dim);
@@ -295,8 +367,9 @@ void attention_forward_typed(const at::Tensor& hidden, const AttentionRows& rows
     std::vector<acc> state(n + (2 + kRowGroup) * block_heads);
     std::vector<double> totals(n + block_heads);
     acc* scores = w != nullptr ? w + b * weights_batch + h0 * seq_len : nullptr;
-    SoftmaxReducer<scalar_t> reducer{q + d0,          static_cast<acc>(scale), block_heads,
-                                     head_dim,        state.data(),            totals.data(),
+    SoftmaxReducer<scalar_t> reducer{qs + d0,         static_cast<acc>(scale), block_heads,
+                                     head_dim,        pairs,                   state.data(),
+                                     totals.data(),
                                      state.data() + n, state.data() + n + block_heads, totals.data() + n,
                                      scores,          seq_len,
                                      state.data() + n + 2 * block_heads};
@@ -305,7 +378,11 @@ void attention_forward_typed(const at::Tensor& hidden, const AttentionRows& rows
       const int64_t part = b * chunks + chunk;
       std::copy_n(reducer.running_max, block_heads, part_max.data() + part * heads + h0);
       std::copy_n(reducer.total_sum, block_heads, part_sum.data() + part * heads + h0);
-      std::copy_n(reducer.weighted_total, n, part_out.data() + part * dim + d0);
+      if (pairs) {
+        from_pair_order(reducer.weighted_total, part_out.data() + part * dim + d0, n);
+      } else {
+        std::copy_n(reducer.weighted_total, n, part_out.data() + part * dim + d0);
+      }
     }
   });
   // Per text and block of heads: the chunks merged in order (in float64), the output, the statistics and the
@@ -326,7 +403,7 @@ void attention_forward_typed(const at::Tensor& hidden, const AttentionRows& rows
       for (int64_t c = 0; c < used; ++c) {
         const int64_t part = b * chunks + c;
         const acc m = part_max[part * heads + hh];
-        const double factor = m == best ? 1.0 : static_cast<double>(std::exp(m - best));
+        const double factor = m == best ? 1.0 : static_cast<double>(exp_acc(m - best));
         total += part_sum[part * heads + hh] * factor;
         for (int64_t i = 0; i < head_dim; ++i) {
           weighted[i] += part_out[part * dim + hh * head_dim + i] * factor;
@@ -405,6 +482,10 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
   const int64_t chunks = chunks_for(list.upper());
   // Per-row values live at [(b * row_batch + h) * seq_len + l]: [B, H, L], or one [H, T] for a packed batch.
   const int64_t row_batch = rows.packed() ? 0 : heads, row_texts = rows.packed() ? 1 : batch;
+  // The scores as the forward computed them (row_scores, the same query order).
+  const bool pairs = use_pairs<scalar_t>(sd, head_dim);
+  std::vector<acc> query_storage;
+  const acc* qs = score_query(q, dim, pairs, query_storage);
   // p and e of every valid row, per head; per chunk the sums of p e (x - m) and p (x - m) per feature and of p e
   // per head, in float64.
   std::vector<acc> prob(row_texts * heads * seq_len), err(row_texts * heads * seq_len);
@@ -422,17 +503,21 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
     };
     const scalar_t* text = h + b * sb + d0 * sd;
     const acc* gb = g + b * dim + d0;
-    const acc* qb = q + d0;
     const acc* mb = mean + b * dim + d0;
     const double* text_stats = all_stats + (b * heads + h0) * 2;
     int64_t in_run = 0;
     chunk_rows.each([&](int64_t l) {
       const scalar_t* row = text + l * sl;
-      row_scores(row, sd, qb, block_heads, head_dim, sc, scores.data());
+      row_scores(row, sd, qs + d0, block_heads, head_dim, sc, pairs, scores.data());
+      // The row's probabilities, as probability() computes them, with the heads' exponentials taken together.
+      for (int64_t hh = 0; hh < block_heads; ++hh) {
+        scores[hh] -= static_cast<acc>(text_stats[2 * hh]);
+      }
+      exp_in_place(scores.data(), block_heads);
       for (int64_t hh = 0; hh < block_heads; ++hh) {
         const int64_t offset = hh * head_dim, at = (b * row_batch + h0 + hh) * seq_len + l;
         const scalar_t* x = row + offset * sd;
-        const acc p = probability(scores[hh], text_stats + 2 * hh);
+        const acc p = scores[hh] / static_cast<acc>(text_stats[2 * hh + 1]);
         const acc e = dot<true>(x, sd, mb + offset, gb + offset, head_dim) + (gw != nullptr ? gw[at] : acc(0));
         prob[at] = p;
         err[at] = e;

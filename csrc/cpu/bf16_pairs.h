@@ -1,0 +1,68 @@
+#pragma once
+// bfloat16 rows read sixteen features at a time as two float vectors ("pair order"), for attention pooling's
+// kernels. Included only by files compiled once per CPU capability.
+//
+// load_widened() widens eight bfloat16 values with a 16-byte load, a zero-extension and a shift. Here one 32-byte
+// load holds sixteen, two per 32-bit lane, and each lane's even feature is the lane shifted left by 16 and its odd
+// feature the lane with its low half cleared: half the instructions per feature. Attention pooling over bfloat16
+// is bound by instructions on AVX2 (a 64-feature head costs as much per row as in float32), so its float operands
+// that meet such rows (the query, the weighted sums) are kept in the same order: per 16 features, the 8 even ones,
+// then the 8 odd ones. Sums taken in pair order add the same products in another order; the forward and the
+// backward use the same order, so a recomputed score keeps its bits.
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cpu/kernel_common.h"
+
+namespace lmk_ops::cpu::CPU_CAPABILITY {
+
+constexpr int64_t kPairBlock = 16;
+
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr bool kHavePairs = true;
+
+struct Pairs {
+  Vectorized<float> even, odd;
+};
+
+// Features [0, 16) of p as (even, odd) floats.
+inline Pairs load_pairs(const c10::BFloat16* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), _mm256_castsi256_ps(_mm256_and_si256(v, high))};
+}
+#else
+constexpr bool kHavePairs = false;
+#endif
+
+// Whether attention reads rows of this type, feature stride and head width in pair order.
+template <typename scalar_t>
+inline bool use_pairs(int64_t stride, int64_t head_dim) {
+  return kHavePairs && std::is_same_v<scalar_t, c10::BFloat16> && stride == 1 && head_dim % kPairBlock == 0;
+}
+
+// Index in pair order of feature i (n, the length, a multiple of kPairBlock).
+inline int64_t pair_index(int64_t i) {
+  const int64_t j = i % kPairBlock;
+  return i - j + (j % 2) * (kPairBlock / 2) + j / 2;
+}
+
+// dst (pair order) = src (natural order), n values.
+template <typename T>
+inline void to_pair_order(const T* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    dst[pair_index(i)] = src[i];
+  }
+}
+
+// dst (natural order) = src (pair order), n values.
+template <typename T>
+inline void from_pair_order(const T* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    dst[i] = src[pair_index(i)];
+  }
+}
+
+}  // namespace lmk_ops::cpu::CPU_CAPABILITY

@@ -65,7 +65,9 @@ def test_matches_reference(case, device):
         assert torch.equal(t, b), "an input tensor was modified"
 
 
-@pytest.mark.parametrize("heads", [1, 2, 4, 8, 12])
+# Heads of 96, 48 and 16 features are read in pair order in bfloat16 with AVX2 (bf16_pairs.h: 6, 3 and 1 blocks of
+# 16), those of 24, 12 and 8 features not.
+@pytest.mark.parametrize("heads", [1, 2, 4, 6, 8, 12])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_every_head_count_in_every_dtype(heads, dtype):
     gen = torch.Generator().manual_seed(heads)

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given
 
 import lmk_ops
+from lmk_ops import reference
 from devices import DEVICES, on
 from parity import OPS, assert_same_bits_alone_and_padded, check_against_reference, forward_and_grad
 from strategies import pool_cases
@@ -91,6 +92,23 @@ def test_max_pool_ties_nan_and_infinities():
     expected = torch.zeros(1, 5, 4)
     expected[0, 1, 0] = expected[0, 1, 1] = expected[0, 1, 2] = expected[0, 2, 3] = 1
     assert torch.equal(h.grad, expected)
+
+
+@pytest.mark.parametrize("dim", [16, 40, 1000])
+def test_max_pool_bfloat16_rows_read_in_pair_order(dim):
+    # Contiguous bfloat16 rows are read 16 features a load on AVX2 (bf16_pairs.h) with a tail of single features:
+    # many ties (small integers), NaNs in one row's first third, a mask, and the packed form, value and position
+    # exactly as the reference's, at widths of one block, two blocks and a tail, and 62 blocks and a tail.
+    gen = torch.Generator().manual_seed(dim)
+    hidden = torch.randint(-3, 4, (3, 700, dim), generator=gen).to(torch.bfloat16)
+    hidden[0, 350, : dim // 3] = float("nan")
+    mask = torch.rand(3, 700, generator=gen) < 0.8
+    for m in (None, mask):
+        values, where = lmk_ops.max_pool(hidden, m, return_indices=True)
+        ref_values, ref_where = reference.max_pool(hidden, m, return_indices=True)
+        assert torch.equal(values.nan_to_num(99), ref_values.nan_to_num(99)) and torch.equal(where, ref_where)
+    packed = lmk_ops.max_pool(hidden.reshape(-1, dim), cu_seqlens=torch.tensor([0, 700, 1400, 2100]))
+    assert torch.equal(packed.nan_to_num(99), lmk_ops.max_pool(hidden).nan_to_num(99))
 
 
 def test_mean_pool_propagates_nan_and_inf_of_valid_tokens_only():

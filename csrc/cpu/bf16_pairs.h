@@ -1,14 +1,15 @@
 #pragma once
-// bfloat16 rows read sixteen features at a time as two float vectors ("pair order"), for attention pooling's
-// kernels. Included only by files compiled once per CPU capability.
+// bfloat16 rows read sixteen features at a time as two float vectors ("pair order"), for the kernels of attention
+// and max pooling. Included only by files compiled once per CPU capability.
 //
 // load_widened() widens eight bfloat16 values with a 16-byte load, a zero-extension and a shift. Here one 32-byte
 // load holds sixteen, two per 32-bit lane, and each lane's even feature is the lane shifted left by 16 and its odd
 // feature the lane with its low half cleared: half the instructions per feature. Attention pooling over bfloat16
-// is bound by instructions on AVX2 (a 64-feature head costs as much per row as in float32), so its float operands
-// that meet such rows (the query, the weighted sums) are kept in the same order: per 16 features, the 8 even ones,
-// then the 8 odd ones. Sums taken in pair order add the same products in another order; the forward and the
-// backward use the same order, so a recomputed score keeps its bits.
+// is bound by instructions on AVX2 (a 64-feature head costs as much per row as in float32), and so is the maximum
+// with its positions, so the float operands that meet such rows (attention's query and weighted sums, the kept
+// maxima) are kept in the same order: per 16 features, the 8 even ones, then the 8 odd ones. Sums taken in pair
+// order add the same products in another order; the forward and the backward use the same order, so a recomputed
+// score keeps its bits. A maximum is the same in any order.
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
@@ -37,10 +38,16 @@ inline Pairs load_pairs(const c10::BFloat16* p) {
 constexpr bool kHavePairs = false;
 #endif
 
+// Whether rows of this type and feature stride can be read in pair order.
+template <typename scalar_t>
+inline bool reads_pairs(int64_t stride) {
+  return kHavePairs && std::is_same_v<scalar_t, c10::BFloat16> && stride == 1;
+}
+
 // Whether attention reads rows of this type, feature stride and head width in pair order.
 template <typename scalar_t>
 inline bool use_pairs(int64_t stride, int64_t head_dim) {
-  return kHavePairs && std::is_same_v<scalar_t, c10::BFloat16> && stride == 1 && head_dim % kPairBlock == 0;
+  return reads_pairs<scalar_t>(stride) && head_dim % kPairBlock == 0;
 }
 
 // Index in pair order of feature i (n, the length, a multiple of kPairBlock).

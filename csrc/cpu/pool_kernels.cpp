@@ -6,6 +6,7 @@
 
 #include "common/dispatch.h"
 #include "cpu/attention_kernels.h"
+#include "cpu/bf16_pairs.h"
 #include "cpu/kernel_common.h"
 #include "cpu/rows.h"
 #include "ops/kernels.h"
@@ -127,13 +128,28 @@ struct MaxReducer {
   using index_t = at::vec::int_same_size_t<acc>;
   alignas(64) acc best[kMaxBlock];
   alignas(64) index_t where[kMaxBlock];
+  // How many leading features best and where hold in pair order (bf16_pairs.h) until finish(): those of whole
+  // pair blocks for contiguous bfloat16 rows on AVX2, else none.
+  int64_t paired = 0;
 
-  void finish() {}
+  void finish() {
+    if (paired > 0) {
+      acc natural_best[kMaxBlock];
+      index_t natural_where[kMaxBlock];
+      from_pair_order(best, natural_best, paired);
+      from_pair_order(where, natural_where, paired);
+      std::copy_n(natural_best, paired, best);
+      std::copy_n(natural_where, paired, where);
+      paired = 0;
+    }
+  }
 
   void init(const scalar_t* row, int64_t stride, int64_t n, int64_t l) {
+    paired = reads_pairs<scalar_t>(stride) ? n / kPairBlock * kPairBlock : 0;
     for (int64_t i = 0; i < n; ++i) {
-      best[i] = static_cast<acc>(row[i * stride]);
-      where[i] = static_cast<index_t>(l);
+      const int64_t at = i < paired ? pair_index(i) : i;
+      best[at] = static_cast<acc>(row[i * stride]);
+      where[at] = static_cast<index_t>(l);
     }
   }
 
@@ -147,6 +163,25 @@ struct MaxReducer {
       for (int r = 0; r < k; ++r) {
         positions[r] = at::vec::cast<acc>(Vectorized<index_t>(static_cast<index_t>(ls[r])));
       }
+#if defined(CPU_CAPABILITY_AVX2)
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        constexpr int64_t kHalf = kPairBlock / 2;
+        for (; i < paired; i += kPairBlock) {
+          prefetch_ahead<4>(g, i);
+          Vec even = Vec::loadu(best + i), even_at = Vec::loadu(where + i);
+          Vec odd = Vec::loadu(best + i + kHalf), odd_at = Vec::loadu(where + i + kHalf);
+          for (int r = 0; r < k; ++r) {
+            const Pairs x = load_pairs(rows[r] + i);
+            keep_max(even, even_at, x.even, positions[r]);
+            keep_max(odd, odd_at, x.odd, positions[r]);
+          }
+          even.store(best + i);
+          even_at.store(where + i);
+          odd.store(best + i + kHalf);
+          odd_at.store(where + i + kHalf);
+        }
+      }
+#endif
       for (; i + Vec::size() <= n; i += Vec::size()) {
         prefetch_ahead<4>(g, i);
         Vec m = Vec::loadu(best + i);

@@ -42,26 +42,26 @@ namespace {
 // independent accumulator chains hide the FMA latency; the whole vectors' products come back as one vector of
 // partial sums (partial_dot), which dot() reduces and completes with the remaining features.
 template <bool kCentred, typename scalar_t>
-inline Vectorized<acc_t<scalar_t>> partial_dot(const scalar_t* x, const acc_t<scalar_t>* m, const acc_t<scalar_t>* y,
+inline Vec<acc_t<scalar_t>> partial_dot(const scalar_t* x, const acc_t<scalar_t>* m, const acc_t<scalar_t>* y,
                                                int64_t n) {
-  using Vec = Vectorized<acc_t<scalar_t>>;
-  constexpr int64_t W = Vec::size();
+  using V = Vec<acc_t<scalar_t>>;
+  constexpr int64_t W = V::size();
   const auto load = [&](int64_t i) {
     if constexpr (kCentred) {
-      return load_widened(x + i) - Vec::loadu(m + i);
+      return load_widened(x + i) - V::loadu(m + i);
     } else {
       return load_widened(x + i);
     }
   };
-  Vec s[4] = {Vec(0), Vec(0), Vec(0), Vec(0)};
+  V s[4] = {V(0), V(0), V(0), V(0)};
   int64_t i = 0;
   for (; i + 4 * W <= n; i += 4 * W) {
     for (int u = 0; u < 4; ++u) {
-      s[u] = at::vec::fmadd(load(i + u * W), Vec::loadu(y + i + u * W), s[u]);
+      s[u] = fmadd(load(i + u * W), V::loadu(y + i + u * W), s[u]);
     }
   }
   for (; i + W <= n; i += W) {
-    s[0] = at::vec::fmadd(load(i), Vec::loadu(y + i), s[0]);
+    s[0] = fmadd(load(i), V::loadu(y + i), s[0]);
   }
   return (s[0] + s[1]) + (s[2] + s[3]);
 }
@@ -70,12 +70,12 @@ template <bool kCentred, typename scalar_t>
 inline acc_t<scalar_t> dot(const scalar_t* x, int64_t stride, const acc_t<scalar_t>* m, const acc_t<scalar_t>* y,
                            int64_t n) {
   using acc = acc_t<scalar_t>;
-  using Vec = Vectorized<acc>;
+  using V = Vec<acc>;
   int64_t i = 0;
   acc total = 0;
   if (stride == 1) {
-    i = n / Vec::size() * Vec::size();
-    total = at::vec::vec_reduce_all<acc>([](Vec& a, Vec& b) { return a + b; }, partial_dot<kCentred>(x, m, y, i));
+    i = n / V::size() * V::size();
+    total = sum_lanes(partial_dot<kCentred>(x, m, y, i));
   }
   for (; i < n; ++i) {
     const auto xi = static_cast<acc>(x[i * stride]);
@@ -87,31 +87,31 @@ inline acc_t<scalar_t> dot(const scalar_t* x, int64_t stride, const acc_t<scalar
 // The sums of eight vectors' lanes, as one vector (lane h: the sum of vector h), in the order
 // ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)) over each vector's lanes.
 #if defined(CPU_CAPABILITY_AVX2)
-inline Vectorized<float> sum_lanes8(const Vectorized<float>* v) {
-  const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+inline Vec<float> sum_lanes8(const Vec<float>* v) {
+  const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(v[0].v, v[1].v), _mm256_hadd_ps(v[2].v, v[3].v));
+  const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(v[4].v, v[5].v), _mm256_hadd_ps(v[6].v, v[7].v));
   return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 #endif
 
 #if defined(CPU_CAPABILITY_AVX2)
 // partial_dot<false> of a bfloat16 row and a query in pair order (n a multiple of kPairBlock).
-inline Vectorized<float> partial_dot_pairs(const c10::BFloat16* x, const float* q, int64_t n) {
-  using Vec = Vectorized<float>;
+inline Vec<float> partial_dot_pairs(const c10::BFloat16* x, const float* q, int64_t n) {
+  using V = Vec<float>;
   constexpr int64_t kHalf = kPairBlock / 2;
-  Vec s[4] = {Vec(0), Vec(0), Vec(0), Vec(0)};
+  V s[4] = {V(0), V(0), V(0), V(0)};
   int64_t i = 0;
   for (; i + 2 * kPairBlock <= n; i += 2 * kPairBlock) {  // two blocks a round: four independent chains
     const Pairs a = load_pairs(x + i), b = load_pairs(x + i + kPairBlock);
-    s[0] = at::vec::fmadd(a.even, Vec::loadu(q + i), s[0]);
-    s[1] = at::vec::fmadd(a.odd, Vec::loadu(q + i + kHalf), s[1]);
-    s[2] = at::vec::fmadd(b.even, Vec::loadu(q + i + kPairBlock), s[2]);
-    s[3] = at::vec::fmadd(b.odd, Vec::loadu(q + i + kPairBlock + kHalf), s[3]);
+    s[0] = fmadd(a.even, V::loadu(q + i), s[0]);
+    s[1] = fmadd(a.odd, V::loadu(q + i + kHalf), s[1]);
+    s[2] = fmadd(b.even, V::loadu(q + i + kPairBlock), s[2]);
+    s[3] = fmadd(b.odd, V::loadu(q + i + kPairBlock + kHalf), s[3]);
   }
   if (i < n) {
     const Pairs a = load_pairs(x + i);
-    s[0] = at::vec::fmadd(a.even, Vec::loadu(q + i), s[0]);
-    s[1] = at::vec::fmadd(a.odd, Vec::loadu(q + i + kHalf), s[1]);
+    s[0] = fmadd(a.even, V::loadu(q + i), s[0]);
+    s[1] = fmadd(a.odd, V::loadu(q + i + kHalf), s[1]);
   }
   return (s[0] + s[1]) + (s[2] + s[3]);
 }
@@ -131,19 +131,19 @@ inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>*
     if (pairs || (stride == 1 && head_dim % 8 == 0 && head_dim <= 256)) {
       for (; h < heads; h += 8) {
         const int64_t count = std::min<int64_t>(8, heads - h);
-        Vectorized<float> partial[8];
+        Vec<float> partial[8];
         for (int64_t j = 0; j < 8; ++j) {
           const scalar_t* xj = x + (h + j) * head_dim;
           const float* qj = q + (h + j) * head_dim;
           if (j >= count) {
-            partial[j] = Vectorized<float>(0);
+            partial[j] = Vec<float>(0);
           } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
             partial[j] = pairs ? partial_dot_pairs(xj, qj, head_dim) : partial_dot<false>(xj, nullptr, qj, head_dim);
           } else {
             partial[j] = partial_dot<false>(xj, nullptr, qj, head_dim);
           }
         }
-        (sum_lanes8(partial) * Vectorized<float>(scale)).store(out + h, count);
+        (sum_lanes8(partial) * Vec<float>(scale)).store(out + h, count);
       }
     }
   }
@@ -170,7 +170,7 @@ constexpr int64_t kFoldRows = 32;
 template <typename scalar_t>
 struct SoftmaxReducer {
   using acc = acc_t<scalar_t>;
-  using Vec = Vectorized<acc>;
+  using V = Vec<acc>;
   const acc* query;  // the block's heads, [heads, head_dim]
   acc scale;
   int64_t heads, head_dim;
@@ -255,8 +255,8 @@ struct SoftmaxReducer {
   void scale_in_place(T* w, acc factor) const {
     int64_t i = 0;
     if constexpr (std::is_same_v<T, acc>) {
-      for (; i + Vec::size() <= head_dim; i += Vec::size()) {
-        (Vec::loadu(w + i) * Vec(factor)).store(w + i);
+      for (; i + V::size() <= head_dim; i += V::size()) {
+        (V::loadu(w + i) * V(factor)).store(w + i);
       }
     }
     for (; i < head_dim; ++i) {
@@ -277,18 +277,18 @@ struct SoftmaxReducer {
     int64_t i = 0;
     if (stride == 1 && k == kRowGroup) {  // the common case, unrolled: the four weights stay in registers
       static_assert(kRowGroup == 4);
-      const Vec p0(p[0]), p1(p[1]), p2(p[2]), p3(p[3]);
-      for (; i + Vec::size() <= head_dim; i += Vec::size()) {
-        Vec a = at::vec::fmadd(p0, load_widened(x[0] + i), Vec::loadu(w + i));
-        a = at::vec::fmadd(p1, load_widened(x[1] + i), a);
-        a = at::vec::fmadd(p2, load_widened(x[2] + i), a);
-        at::vec::fmadd(p3, load_widened(x[3] + i), a).store(w + i);
+      const V p0(p[0]), p1(p[1]), p2(p[2]), p3(p[3]);
+      for (; i + V::size() <= head_dim; i += V::size()) {
+        V a = fmadd(p0, load_widened(x[0] + i), V::loadu(w + i));
+        a = fmadd(p1, load_widened(x[1] + i), a);
+        a = fmadd(p2, load_widened(x[2] + i), a);
+        fmadd(p3, load_widened(x[3] + i), a).store(w + i);
       }
     } else if (stride == 1) {
-      for (; i + Vec::size() <= head_dim; i += Vec::size()) {
-        Vec a = Vec::loadu(w + i);
+      for (; i + V::size() <= head_dim; i += V::size()) {
+        V a = V::loadu(w + i);
         for (int r = 0; r < k; ++r) {
-          a = at::vec::fmadd(Vec(p[r]), load_widened(x[r] + i), a);
+          a = fmadd(V(p[r]), load_widened(x[r] + i), a);
         }
         a.store(w + i);
       }
@@ -305,11 +305,11 @@ struct SoftmaxReducer {
   void add_rows_pairs(float* w, const float* p, const c10::BFloat16* const* x, int k) const {
     constexpr int64_t kHalf = kPairBlock / 2;
     for (int64_t i = 0; i < head_dim; i += kPairBlock) {
-      Vec even = Vec::loadu(w + i), odd = Vec::loadu(w + i + kHalf);
+      V even = V::loadu(w + i), odd = V::loadu(w + i + kHalf);
       for (int r = 0; r < k; ++r) {  // k is kRowGroup but for a chunk's first and last groups
         const Pairs v = load_pairs(x[r] + i);
-        even = at::vec::fmadd(Vec(p[r]), v.even, even);
-        odd = at::vec::fmadd(Vec(p[r]), v.odd, odd);
+        even = fmadd(V(p[r]), v.even, even);
+        odd = fmadd(V(p[r]), v.odd, odd);
       }
       even.store(w + i);
       odd.store(w + i + kHalf);
@@ -430,14 +430,14 @@ void attention_forward_typed(const at::Tensor& hidden, const AttentionRows& rows
 template <typename scalar_t>
 inline void add_centred_twice(acc_t<scalar_t>* pe, acc_t<scalar_t>* pr, acc_t<scalar_t> c_pe, acc_t<scalar_t> c_pr,
                               const scalar_t* x, int64_t stride, const acc_t<scalar_t>* m, int64_t n) {
-  using Vec = Vectorized<acc_t<scalar_t>>;
+  using V = Vec<acc_t<scalar_t>>;
   int64_t i = 0;
   if (stride == 1) {
-    const Vec ve(c_pe), vr(c_pr);
-    for (; i + Vec::size() <= n; i += Vec::size()) {
-      const Vec y = load_widened(x + i) - Vec::loadu(m + i);
-      at::vec::fmadd(ve, y, Vec::loadu(pe + i)).store(pe + i);
-      at::vec::fmadd(vr, y, Vec::loadu(pr + i)).store(pr + i);
+    const V ve(c_pe), vr(c_pr);
+    for (; i + V::size() <= n; i += V::size()) {
+      const V y = load_widened(x + i) - V::loadu(m + i);
+      fmadd(ve, y, V::loadu(pe + i)).store(pe + i);
+      fmadd(vr, y, V::loadu(pr + i)).store(pr + i);
     }
   }
   for (; i < n; ++i) {
@@ -450,10 +450,10 @@ inline void add_centred_twice(acc_t<scalar_t>* pe, acc_t<scalar_t>* pr, acc_t<sc
 // dst = p * g + c * q over n features.
 template <typename acc>
 inline void combine(acc* dst, acc p, const acc* g, acc c, const acc* q, int64_t n) {
-  using Vec = Vectorized<acc>;
+  using V = Vec<acc>;
   int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) {
-    at::vec::fmadd(Vec(p), Vec::loadu(g + i), Vec(c) * Vec::loadu(q + i)).store(dst + i);
+  for (; i + V::size() <= n; i += V::size()) {
+    fmadd(V(p), V::loadu(g + i), V(c) * V::loadu(q + i)).store(dst + i);
   }
   for (; i < n; ++i) {
     dst[i] = p * g[i] + c * q[i];
@@ -577,7 +577,7 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
         combine(row + offset, prob[at], g + b * dim + offset, coef, q + offset, head_dim);
       }
       if (!wide.empty()) {
-        at::vec::convert(wide.data(), dst, dim);
+        store_narrowed(wide.data(), dst, dim);
       }
     }
   });

@@ -25,7 +25,7 @@ constexpr int64_t kPairBlock = 16;
 constexpr bool kHavePairs = true;
 
 struct Pairs {
-  Vectorized<float> even, odd;
+  Vec<float> even, odd;
 };
 
 // Features [0, 16) of p as (even, odd) floats.

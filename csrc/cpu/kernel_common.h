@@ -1,10 +1,7 @@
 #pragma once
 // Building blocks of the vectorised CPU kernels (pool_kernels.cpp, attention_kernels.cpp). Included only by files
 // compiled once per CPU capability: everything here lives in that capability's namespace.
-#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -12,13 +9,9 @@
 
 #include "common/row_selection.h"
 #include "cpu/row_list.h"
+#include "cpu/simd.h"
 
 namespace lmk_ops::cpu::CPU_CAPABILITY {
-
-using at::vec::Vectorized;
-
-template <typename scalar_t>
-using acc_t = at::opmath_type<scalar_t>;  // float for half/bfloat16/float, double for double
 
 // Work split for the forward kernels: tasks are (text b, chunk of its selected rows, block of features
 // [d0, d0 + n)) (for_each_chunk below). Each task walks its chunk's rows in order and reduces the block into an
@@ -110,18 +103,6 @@ void for_each_text(const RowList& list, int64_t batch, int64_t dim, int64_t unit
       }
     }
   });
-}
-
-// Loads Vectorized<acc_t>::size() elements widened to the accumulation type.
-template <typename scalar_t>
-inline Vectorized<acc_t<scalar_t>> load_widened(const scalar_t* p) {
-  if constexpr (std::is_same_v<scalar_t, acc_t<scalar_t>>) {
-    return Vectorized<scalar_t>::loadu(p);
-  } else {
-    Vectorized<float> v;
-    at::vec::load_to_float(p, v);
-    return v;
-  }
 }
 
 // A reducer folds groups of up to kRowGroup selected rows (in the selection's order) into its accumulator of n

@@ -21,31 +21,14 @@ inline bool takes_over(acc x, acc best) {
 }
 
 // Keeps the larger value and its position, lane by lane: x wins when it is greater, or when it is NaN and the
-// kept value is not (so the first NaN stays, as with torch.max); ties keep the earlier position. AVX2 and AVX-512
-// get a mask-native version: one unordered compare does "greater or NaN", guarded by "kept value is not NaN".
+// kept value is not (so the first NaN stays, as with torch.max); ties keep the earlier position. One unordered
+// compare does "greater or NaN", guarded by "kept value is not NaN".
 template <typename acc>
-inline void keep_max(Vectorized<acc>& best, Vectorized<acc>& where, const Vectorized<acc>& x, const Vectorized<acc>& pos) {
-  const Vectorized<acc> take = (x > best) | ((x != x) & (best == best));
-  best = Vectorized<acc>::blendv(best, x, take);
-  where = Vectorized<acc>::blendv(where, pos, take);
+inline void keep_max(Vec<acc>& best, Vec<same_size_int<acc>>& where, Vec<acc> x, Vec<same_size_int<acc>> pos) {
+  const auto take = ~(x.v <= best.v) & (best.v == best.v);  // greater or unordered, and best is a number
+  best = take ? x.v : best.v;
+  where = take ? pos.v : where.v;
 }
-#if defined(CPU_CAPABILITY_AVX512)
-template <>
-inline void keep_max<float>(
-    Vectorized<float>& best, Vectorized<float>& where, const Vectorized<float>& x, const Vectorized<float>& pos) {
-  const __mmask16 take = _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(best, best, _CMP_ORD_Q), x, best, _CMP_NLE_UQ);
-  best = _mm512_mask_blend_ps(take, best, x);
-  where = _mm512_mask_blend_ps(take, where, pos);
-}
-#elif defined(CPU_CAPABILITY_AVX2)
-template <>
-inline void keep_max<float>(
-    Vectorized<float>& best, Vectorized<float>& where, const Vectorized<float>& x, const Vectorized<float>& pos) {
-  const __m256 take = _mm256_and_ps(_mm256_cmp_ps(x, best, _CMP_NLE_UQ), _mm256_cmp_ps(best, best, _CMP_ORD_Q));
-  best = _mm256_blendv_ps(best, x, take);
-  where = _mm256_blendv_ps(where, pos, take);
-}
-#endif
 
 // Sums rows in the accumulation type in runs of kFoldRows rows, each run folded into a float64 total. Within a
 // run, each group of kRowGroup rows is added pairwise first ((x0 + x1) + (x2 + x3): exact for equal values) and
@@ -56,7 +39,7 @@ constexpr int kFoldRows = 32;
 template <typename scalar_t>
 struct SumReducer {
   using acc = acc_t<scalar_t>;
-  using Vec = Vectorized<acc>;
+  using V = Vec<acc>;
   alignas(64) acc sum[kMaxBlock];
   alignas(64) double total[kMaxBlock];
   int64_t n = 0;
@@ -76,9 +59,9 @@ struct SumReducer {
     const int k = g.k;
     int64_t i = 0;
     if (stride == 1) {
-      for (; i + Vec::size() <= width; i += Vec::size()) {
+      for (; i + V::size() <= width; i += V::size()) {
         prefetch_ahead<2>(g, i);
-        Vec group = load_widened(rows[0] + i);
+        V group = load_widened(rows[0] + i);
         if (k == kRowGroup) {
           static_assert(kRowGroup == 4);
           group = (group + load_widened(rows[1] + i)) + (load_widened(rows[2] + i) + load_widened(rows[3] + i));
@@ -87,7 +70,7 @@ struct SumReducer {
             group = group + load_widened(rows[r] + i);
           }
         }
-        (Vec::loadu(sum + i) + group).store(sum + i);
+        (V::loadu(sum + i) + group).store(sum + i);
       }
     }
     for (; i < width; ++i) {
@@ -119,13 +102,13 @@ struct SumReducer {
 };
 
 // Keeps the largest value and its first position (see keep_max). Positions live in integer lanes as wide as the
-// accumulator lanes (int32 beside float, int64 beside double), bit-cast into the same vector type so that one
-// blend moves them with the values.
+// accumulator lanes (int32 beside float, int64 beside double), so that one mask moves them with the values.
 template <typename scalar_t>
 struct MaxReducer {
   using acc = acc_t<scalar_t>;
-  using Vec = Vectorized<acc>;
-  using index_t = at::vec::int_same_size_t<acc>;
+  using V = Vec<acc>;
+  using index_t = same_size_int<acc>;
+  using Where = Vec<index_t>;
   alignas(64) acc best[kMaxBlock];
   alignas(64) index_t where[kMaxBlock];
   // How many leading features best and where hold in pair order (bf16_pairs.h) until finish(): those of whole
@@ -159,17 +142,17 @@ struct MaxReducer {
     const int k = g.k;
     int64_t i = 0;
     if (stride == 1) {
-      Vec positions[kRowGroup];
+      Where positions[kRowGroup];
       for (int r = 0; r < k; ++r) {
-        positions[r] = at::vec::cast<acc>(Vectorized<index_t>(static_cast<index_t>(ls[r])));
+        positions[r] = Where(static_cast<index_t>(ls[r]));
       }
 #if defined(CPU_CAPABILITY_AVX2)
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
         constexpr int64_t kHalf = kPairBlock / 2;
         for (; i < paired; i += kPairBlock) {
           prefetch_ahead<4>(g, i);
-          Vec even = Vec::loadu(best + i), even_at = Vec::loadu(where + i);
-          Vec odd = Vec::loadu(best + i + kHalf), odd_at = Vec::loadu(where + i + kHalf);
+          V even = V::loadu(best + i), odd = V::loadu(best + i + kHalf);
+          Where even_at = Where::loadu(where + i), odd_at = Where::loadu(where + i + kHalf);
           for (int r = 0; r < k; ++r) {
             const Pairs x = load_pairs(rows[r] + i);
             keep_max(even, even_at, x.even, positions[r]);
@@ -182,10 +165,10 @@ struct MaxReducer {
         }
       }
 #endif
-      for (; i + Vec::size() <= n; i += Vec::size()) {
+      for (; i + V::size() <= n; i += V::size()) {
         prefetch_ahead<4>(g, i);
-        Vec m = Vec::loadu(best + i);
-        Vec w = Vec::loadu(where + i);
+        V m = V::loadu(best + i);
+        Where w = Where::loadu(where + i);
         for (int r = 0; r < k; ++r) {
           keep_max(m, w, load_widened(rows[r] + i), positions[r]);
         }
@@ -264,7 +247,7 @@ void mean_forward_typed(const at::Tensor& hidden, const RowSelection& rows, at::
 template <typename scalar_t>
 void max_forward_typed(const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out, at::Tensor& argmax) {
   using acc = acc_t<scalar_t>;
-  using index_t = at::vec::int_same_size_t<acc>;
+  using index_t = same_size_int<acc>;
   const int64_t batch = hidden.size(0), dim = hidden.size(2);
   const RowListing listing = list_rows(rows, batch, hidden.size(1));
   const RowList& list = listing.view;

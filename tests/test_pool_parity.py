@@ -153,3 +153,24 @@ for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         [sys.executable, "-c", script], env=env, cwd=os.path.dirname(__file__), capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_capability_variable_never_selects_what_the_cpu_lacks():
+    # ATen trusts ATEN_CPU_CAPABILITY=avx512 even on a CPU without AVX-512; lmk_ops caps it at what the CPU runs.
+    if not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("needs /proc/cpuinfo")
+    with open("/proc/cpuinfo") as f:
+        flags = set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
+    avx2 = {"avx2", "fma", "f16c", "bmi1", "bmi2"} <= flags
+    expected = "AVX512" if avx2 and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags else (
+        "AVX2" if avx2 else "DEFAULT")
+    script = """
+import torch, lmk_ops
+print(lmk_ops.build_info()["cpu_capability"])
+assert torch.equal(lmk_ops.mean_pool(torch.ones(2, 3, 40)), torch.ones(2, 40))
+"""
+    result = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, ATEN_CPU_CAPABILITY="avx512"),
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-1] == expected
+

@@ -1,4 +1,5 @@
-#include <ATen/Version.h>
+#include <cstdlib>
+#include <string>
 
 #include "ops/kernels.h"
 
@@ -24,17 +25,36 @@ struct Choice {
   std::string name;
 };
 
-// ATen has already probed the CPU (and honours ATEN_CPU_CAPABILITY); follow its choice so that lmk_ops and
-// torch never disagree about which instructions are safe.
+#ifdef LMK_OPS_HAVE_AVX2
+// Whether this CPU (and the OS, which must save the wider registers) runs each capability's copy: the instruction
+// sets its compiler flags name (CMakeLists.txt).
+bool runs_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+         __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2");
+}
+bool runs_avx512() {
+  return runs_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+#endif
+
+// The best capability this CPU runs, capped by ATEN_CPU_CAPABILITY (default, avx2 or avx512: the variable ATen's
+// own kernels honour, so that lmk_ops and torch choose alike; other values are ignored, as ATen ignores them).
+// Probed here rather than asked of ATen (at::get_cpu_capability), which the stable ABI does not offer.
 Choice choose() {
-  const std::string cap = at::get_cpu_capability();
+  const char* variable = std::getenv("ATEN_CPU_CAPABILITY");
+  std::string cap = variable != nullptr ? variable : "";
+  if (cap != "default" && cap != "avx2" && cap != "avx512") {
+    cap.clear();
+  }
 #ifdef LMK_OPS_HAVE_AVX512
-  if (cap == "AVX512") {
+  if ((cap.empty() || cap == "avx512") && runs_avx512()) {
     return {&AVX512::kernels(), "AVX512"};
   }
 #endif
 #ifdef LMK_OPS_HAVE_AVX2
-  if (cap == "AVX2" || cap == "AVX512") {
+  if (cap != "default" && runs_avx2()) {
     return {&AVX2::kernels(), "AVX2"};
   }
 #endif

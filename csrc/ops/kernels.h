@@ -62,7 +62,7 @@ struct Kernels {
 };
 
 namespace cpu {
-// The kernels for the CPU capability that at::get_cpu_capability() selects (ATEN_CPU_CAPABILITY overrides it).
+// The kernels for the best CPU capability this machine runs (ATEN_CPU_CAPABILITY caps it, as it does ATen's).
 const Kernels& kernels();
 // Which capability cpu::kernels() uses: "DEFAULT", "AVX2" or "AVX512".
 const std::string& kernels_capability();

@@ -1,6 +1,5 @@
 #include "common/packed.h"
 
-#include <ATen/Dispatch.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/arange.h>
@@ -14,6 +13,7 @@
 #include <sstream>
 #include <string>
 
+#include "common/dispatch.h"
 #include "ops/kernels.h"
 
 namespace lmk_ops {
@@ -55,7 +55,7 @@ at::Tensor PackedBatch::relative(const at::Tensor& rows) const {
     at::Tensor out = rows.clone(at::MemoryFormat::Contiguous);
     const int64_t* s = starts.const_data_ptr<int64_t>();
     const int64_t width = rows.size(1);
-    AT_DISPATCH_INDEX_TYPES(out.scalar_type(), "relative", [&] {
+    LMK_DISPATCH_INDEX(out.scalar_type(), "relative", [&] {
       index_t* r = out.data_ptr<index_t>();
       for (int64_t i = 0; i < out.numel(); ++i) {
         r[i] = r[i] >= 0 ? static_cast<index_t>(r[i] - s[i / width]) : index_t(-1);
@@ -141,7 +141,7 @@ PackedBatch prepare_packed(const char* op, int64_t tokens, const at::Tensor& lik
     int64_t* o = packed.offsets.data_ptr<int64_t>();
     int64_t* n = packed.lengths.data_ptr<int64_t>();
     const int64_t stride = cu_seqlens.stride(0);
-    AT_DISPATCH_INDEX_TYPES(cu_seqlens.scalar_type(), "prepare_packed", [&] {
+    LMK_DISPATCH_INDEX(cu_seqlens.scalar_type(), "prepare_packed", [&] {
       const index_t* c = cu_seqlens.const_data_ptr<index_t>();
       for (int64_t b = 0; b <= packed.batch; ++b) {
         o[b] = c[b * stride];

@@ -1,7 +1,7 @@
 // The lmk_ops operator library: every schema, forward and backward, is defined here once. Kernels register per
 // dispatch key in cpu/ (and cuda/); fake kernels and autograd are registered from Python (_meta.py, _autograd.py).
 // The pybind11 module carries build information only: the ops themselves are reached through torch.ops.lmk_ops.
-#include <ATen/Parallel.h>
+#include <torch/csrc/stable/ops.h>
 #include <pybind11/pybind11.h>
 #include <torch/library.h>
 
@@ -86,7 +86,7 @@ PYBIND11_MODULE(_C, m) {
 #else
         info["openmp"] = false;
 #endif
-        info["num_threads"] = at::get_num_threads();
+        info["num_threads"] = static_cast<int64_t>(torch::stable::get_num_threads());
         info["cpu_capability"] = lmk_ops::cpu::kernels_capability();
         return info;
       },

@@ -534,7 +534,7 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
   // Per (text, head): S = sum of p e over its chunks in order; each text's share of the query gradient,
   // scale * (sum p e (x - m) - S sum p (x - m)), summed over the texts in order below: no atomics, same bits.
   std::vector<acc> text_sums(batch * heads), query_parts(batch * dim);
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t used = (list.rows(b) + kChunkRows - 1) / kChunkRows;
       for (int64_t hh = 0; hh < heads; ++hh) {
@@ -560,7 +560,7 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
   const bool* is_valid = rows.valid.defined() ? rows.valid.const_data_ptr<bool>() : nullptr;
   const int64_t* text_of_row = rows.packed() ? rows.text_of_row.const_data_ptr<int64_t>() : nullptr;
   const int64_t grain = std::max<int64_t>(1, kMinParallelWork / dim);
-  at::parallel_for(0, rows.packed() ? seq_len : batch * seq_len, grain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, rows.packed() ? seq_len : batch * seq_len, grain, [&](int64_t begin, int64_t end) {
     std::vector<acc> wide(std::is_same_v<scalar_t, acc> ? 0 : dim);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t b = text_of_row != nullptr ? text_of_row[r] : r / seq_len;

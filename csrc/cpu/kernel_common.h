@@ -1,7 +1,7 @@
 #pragma once
 // Building blocks of the vectorised CPU kernels (pool_kernels.cpp, attention_kernels.cpp). Included only by files
 // compiled once per CPU capability: everything here lives in that capability's namespace.
-#include <ATen/Parallel.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -22,13 +22,13 @@ namespace lmk_ops::cpu::CPU_CAPABILITY {
 constexpr int64_t kMaxBlock = 1024;
 constexpr int64_t kMinBlock = 256;
 constexpr int64_t kTasksPerThread = 4;
-// Below this many elements of work per chunk, at::parallel_for keeps the work on one thread.
+// Below this many elements of work per chunk, parallel_for keeps the work on one thread.
 constexpr int64_t kMinParallelWork = int64_t{1} << 15;
 
 // The block width: a multiple of unit (attention heads must not be split; unit 1 rounds to 64 features, a whole
 // number of vectors), at most kMaxBlock unless one unit is wider, and at most dim.
 inline int64_t feature_block(int64_t batch, int64_t dim, int64_t unit) {
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = static_cast<int64_t>(torch::stable::get_num_threads());
   const int64_t blocks_per_text = std::max<int64_t>(1, (kTasksPerThread * threads + batch - 1) / batch);
   const int64_t align = unit == 1 ? 64 : unit;
   const int64_t block = std::clamp((dim + blocks_per_text - 1) / blocks_per_text, kMinBlock, kMaxBlock);
@@ -74,7 +74,7 @@ void for_each_chunk(const RowList& list, int64_t batch, int64_t dim, int64_t uni
   const int64_t block = feature_block(chunks, dim, unit);
   const int64_t blocks = (dim + block - 1) / block;
   const int64_t grain = std::max<int64_t>(1, kMinParallelWork / (std::min(kChunkRows, list.upper()) * block + 1));
-  at::parallel_for(0, chunks * blocks, grain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, chunks * blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t index = task / blocks, d0 = task % blocks * block;
       const int64_t b = std::upper_bound(first_chunk.begin(), first_chunk.end(), index) - first_chunk.begin() - 1;
@@ -95,7 +95,7 @@ void for_each_text(const RowList& list, int64_t batch, int64_t dim, int64_t unit
   }
   const int64_t block = feature_block(batch, dim, unit);
   const int64_t blocks = (dim + block - 1) / block;
-  at::parallel_for(0, batch * blocks, 1, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, batch * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / blocks, d0 = task % blocks * block;
       if (list.rows(b) >= min_rows) {

@@ -315,7 +315,7 @@ void max_backward_words(const at::Tensor& grad, const at::Tensor& argmax, at::Te
   const int32_t* a = argmax.const_data_ptr<int32_t>();
   auto* out = static_cast<word_t*>(grad_hidden.data_ptr());
   const int64_t grain = std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, dim));
-  at::parallel_for(0, grad_hidden.size(0) * seq_len, grain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, grad_hidden.size(0) * seq_len, grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / seq_len;
       const auto l = static_cast<int32_t>(row % seq_len);

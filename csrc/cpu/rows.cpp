@@ -1,7 +1,7 @@
 #include "cpu/rows.h"
 
 #include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
+#include <torch/csrc/stable/ops.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
@@ -45,7 +45,7 @@ void write_weighted_rows(const at::Tensor& scaled_wide, const times_t* times, at
   scalar_t* dst = grad_hidden.data_ptr<scalar_t>();
   const size_t row_bytes = static_cast<size_t>(dim) * sizeof(scalar_t);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / dim);
-  at::parallel_for(0, grad_hidden.size(0) * seq_len, grain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, grad_hidden.size(0) * seq_len, grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / seq_len;
       const int64_t n = times == nullptr ? 1 : static_cast<int64_t>(times[row]);
@@ -73,7 +73,7 @@ void gather_rows(const at::Tensor& hidden, const at::Tensor& positions, at::Tens
   const int64_t* p = positions.const_data_ptr<int64_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, dim));
-  at::parallel_for(0, out.size(0) * listed, grain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, out.size(0) * listed, grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t l = p[row];
       scalar_t* dst = o + row * dim;
@@ -103,7 +103,7 @@ void scatter_rows(const at::Tensor& grad, const at::Tensor& positions, at::Tenso
   const scalar_t* g = grad.const_data_ptr<scalar_t>();
   const int64_t* p = positions.const_data_ptr<int64_t>();
   scalar_t* out = grad_hidden.data_ptr<scalar_t>();
-  at::parallel_for(0, grad_hidden.size(0), 1, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, grad_hidden.size(0), 1, [&](int64_t begin, int64_t end) {
     std::vector<std::pair<int64_t, int64_t>> rows;  // (l, k), grouped by l with k increasing
     std::vector<acc> sum(dim);
     for (int64_t b = begin; b < end; ++b) {
@@ -158,7 +158,7 @@ RowListing list_rows(const RowSelection& selection, int64_t batch, int64_t seq_l
   int64_t* c = count.data_ptr<int64_t>();
   const bool* mask = by_mask ? selection.mask.const_data_ptr<bool>() : nullptr;
   const int64_t* positions = by_mask ? nullptr : selection.positions.const_data_ptr<int64_t>();
-  at::parallel_for(0, batch, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, width)),
+  torch::stable::parallel_for(0, batch, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, width)),
                    [&](int64_t begin, int64_t end) {
                      for (int64_t b = begin; b < end; ++b) {
                        int64_t n = 0;

@@ -1,3 +1,4 @@
+#include "common/error.h"
 #include "common/checks.h"
 
 #include <cmath>
@@ -25,11 +26,11 @@ static bool is_supported_float(at::ScalarType t) {
 
 // hidden of `dims` dimensions (the layout named by `shape` in messages) and a supported floating dtype.
 static void check_hidden_layout(const char* op, const at::Tensor& hidden, int64_t dims, const char* shape) {
-  TORCH_CHECK(hidden.defined(), "lmk_ops.", op, ": expected hidden to be a tensor, got None");
-  TORCH_CHECK(
+  LMK_CHECK(hidden.defined(), "lmk_ops.", op, ": expected hidden to be a tensor, got None");
+  LMK_CHECK(
       hidden.dim() == dims, "lmk_ops.", op, ": expected ", shape, ", got a ", hidden.dim(), "-D tensor of shape ",
       shape_str(hidden.sizes()));
-  TORCH_CHECK(
+  LMK_CHECK(
       is_supported_float(hidden.scalar_type()), "lmk_ops.", op,
       ": expected hidden of dtype float16, bfloat16, float32 or float64, got ", hidden.scalar_type());
 }
@@ -43,16 +44,16 @@ void check_packed_hidden(const char* op, const at::Tensor& hidden) {
 }
 
 void check_grad(const char* op, const at::Tensor& grad, int64_t dims, const char* shape) {
-  TORCH_CHECK(
+  LMK_CHECK(
       grad.dim() == dims, "lmk_ops.", op, ": expected grad_out of shape ", shape, " (", dims, "-D), got shape ",
       shape_str(grad.sizes()));
-  TORCH_CHECK(
+  LMK_CHECK(
       is_supported_float(grad.scalar_type()), "lmk_ops.", op,
       ": expected grad_out of dtype float16, bfloat16, float32 or float64, got ", grad.scalar_type());
 }
 
 void check_grad_dtype(const char* op, std::optional<at::ScalarType> dtype) {
-  TORCH_CHECK(
+  LMK_CHECK(
       !dtype.has_value() || is_supported_float(*dtype), "lmk_ops.", op,
       ": expected dtype float16, bfloat16, float32 or float64, got ", *dtype);
 }
@@ -68,14 +69,14 @@ at::Tensor prepare_mask(
     return at::Tensor();
   }
   const at::Tensor& m = *mask;
-  TORCH_CHECK(
-      m.device() == like.device(), "lmk_ops.", op, ": expected mask on the same device as hidden (", like.device(),
-      "), got ", m.device());
-  TORCH_CHECK(
+  LMK_CHECK(
+      m.device() == like.device(), "lmk_ops.", op, ": expected mask on the same device as hidden (", device_name(like),
+      "), got ", device_name(m));
+  LMK_CHECK(
       m.dim() == 2 && m.size(0) == batch && m.size(1) == seq_len, "lmk_ops.", op, ": expected mask of shape [B, L] = [",
       batch, ", ", seq_len, "], got ", shape_str(m.sizes()));
   const auto t = m.scalar_type();
-  TORCH_CHECK(
+  LMK_CHECK(
       t == at::kBool || at::isIntegralType(t, /*includeBool=*/false), "lmk_ops.", op,
       ": expected mask of dtype bool or an integer dtype holding 0/1, got ", t);
   if (t == at::kBool) {
@@ -92,9 +93,9 @@ at::Tensor prepare_mask(
 }
 
 void check_landmarks_device(const char* op, const at::Tensor& landmarks, const at::Tensor& like) {
-  TORCH_CHECK(
+  LMK_CHECK(
       landmarks.device() == like.device(), "lmk_ops.", op, ": expected landmarks on the same device as hidden (",
-      like.device(), "), got ", landmarks.device());
+      device_name(like), "), got ", device_name(landmarks));
 }
 
 at::Tensor prepare_positions(
@@ -105,10 +106,10 @@ at::Tensor prepare_positions(
     const at::Tensor& like,
     Values values) {
   check_landmarks_device(op, positions, like);
-  TORCH_CHECK(
+  LMK_CHECK(
       positions.scalar_type() == at::kLong, "lmk_ops.", op,
       ": expected landmark positions of dtype int64 (padded with -1), got ", positions.scalar_type());
-  TORCH_CHECK(
+  LMK_CHECK(
       positions.dim() == 2 && positions.size(0) == batch, "lmk_ops.", op,
       ": expected landmark positions of shape [B, K] = [", batch, ", K], got ", shape_str(positions.sizes()));
   at::Tensor p = positions.contiguous();
@@ -129,7 +130,7 @@ RowSelection prepare_landmarks(
     int64_t seq_len,
     const at::Tensor& like,
     Values values) {
-  TORCH_CHECK(
+  LMK_CHECK(
       landmarks.scalar_type() == at::kBool || landmarks.scalar_type() == at::kLong, "lmk_ops.", op,
       ": expected landmarks as a bool mask [B, L] or int64 positions [B, K] padded with -1, got ",
       landmarks.scalar_type());
@@ -137,7 +138,7 @@ RowSelection prepare_landmarks(
     return {at::Tensor(), prepare_positions(op, landmarks, batch, seq_len, like, values)};
   }
   check_landmarks_device(op, landmarks, like);
-  TORCH_CHECK(
+  LMK_CHECK(
       landmarks.dim() == 2 && landmarks.size(0) == batch && landmarks.size(1) == seq_len, "lmk_ops.", op,
       ": expected a landmark mask of shape [B, L] = [", batch, ", ", seq_len, "], got ",
       shape_str(landmarks.sizes()));
@@ -146,19 +147,19 @@ RowSelection prepare_landmarks(
 
 Heads check_query(const char* op, const at::Tensor& query, const at::Tensor& hidden) {
   const int64_t dim = hidden.size(2);
-  TORCH_CHECK(
+  LMK_CHECK(
       dim > 0, "lmk_ops.", op, ": expected hidden with D > 0 features (attention scores need them), got shape ",
       shape_str(hidden.sizes()));
-  TORCH_CHECK(query.defined(), "lmk_ops.", op, ": expected query to be a tensor, got None");
-  TORCH_CHECK(
+  LMK_CHECK(query.defined(), "lmk_ops.", op, ": expected query to be a tensor, got None");
+  LMK_CHECK(
       query.device() == hidden.device(), "lmk_ops.", op, ": expected query on the same device as hidden (",
-      hidden.device(), "), got ", query.device());
-  TORCH_CHECK(
+      device_name(hidden), "), got ", device_name(query));
+  LMK_CHECK(
       is_supported_float(query.scalar_type()), "lmk_ops.", op,
       ": expected query of dtype float16, bfloat16, float32 or float64, got ", query.scalar_type());
   const bool one_head = query.dim() == 1 && query.size(0) == dim;
   const bool heads = query.dim() == 2 && query.size(0) > 0 && query.size(0) * query.size(1) == dim;
-  TORCH_CHECK(
+  LMK_CHECK(
       one_head || heads, "lmk_ops.", op, ": expected query of shape [D] = [", dim,
       "] (one head) or [H, D / H] with H * (D / H) = ", dim, " (H heads), got ", shape_str(query.sizes()));
   return one_head ? Heads{1, dim} : Heads{query.size(0), query.size(1)};
@@ -166,7 +167,7 @@ Heads check_query(const char* op, const at::Tensor& query, const at::Tensor& hid
 
 double resolve_scale(const char* op, std::optional<double> scale, int64_t head_dim) {
   // The kernels score in float32 (for float32 and the half types): a scale beyond its range would be inf there.
-  TORCH_CHECK(
+  LMK_CHECK(
       !scale.has_value() || (std::isfinite(*scale) && std::abs(*scale) <= std::numeric_limits<float>::max()),
       "lmk_ops.", op, ": expected a scale finite in float32, got ", *scale);
   return scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim)));
@@ -174,11 +175,11 @@ double resolve_scale(const char* op, std::optional<double> scale, int64_t head_d
 
 void check_float_tensor(
     const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape, const at::Tensor& like) {
-  TORCH_CHECK(t.defined(), "lmk_ops.", op, ": expected ", name, " to be a tensor, got None");
-  TORCH_CHECK(
+  LMK_CHECK(t.defined(), "lmk_ops.", op, ": expected ", name, " to be a tensor, got None");
+  LMK_CHECK(
       t.device() == like.device(), "lmk_ops.", op, ": expected ", name, " on the same device as hidden (",
-      like.device(), "), got ", t.device());
-  TORCH_CHECK(
+      device_name(like), "), got ", device_name(t));
+  LMK_CHECK(
       is_supported_float(t.scalar_type()) && t.sizes() == shape, "lmk_ops.", op, ": expected ", name,
       " of a floating dtype and shape ", shape_str(shape), ", got ", t.scalar_type(), " of shape ",
       shape_str(t.sizes()));

@@ -1,3 +1,4 @@
+#include "common/error.h"
 #include "common/packed.h"
 
 #include <ATen/TensorOperators.h>
@@ -119,16 +120,16 @@ at::Tensor PackedBatch::count(const at::Tensor& selected) const {
 
 PackedBatch prepare_packed(const char* op, int64_t tokens, const at::Tensor& like, const at::Tensor& cu_seqlens,
                            std::optional<int64_t> max_seqlen, Values values) {
-  TORCH_CHECK(
+  LMK_CHECK(
       cu_seqlens.device() == like.device(), "lmk_ops.", op, ": expected cu_seqlens on the same device as hidden (",
-      like.device(), "), got ", cu_seqlens.device());
-  TORCH_CHECK(
+      device_name(like), "), got ", device_name(cu_seqlens));
+  LMK_CHECK(
       cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong, "lmk_ops.", op,
       ": expected cu_seqlens of dtype int32 or int64, got ", cu_seqlens.scalar_type());
-  TORCH_CHECK(
+  LMK_CHECK(
       cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, "lmk_ops.", op,
       ": expected cu_seqlens of shape [B + 1] (1-D, at least one entry), got ", shape_str(cu_seqlens.sizes()));
-  TORCH_CHECK(
+  LMK_CHECK(
       !max_seqlen.has_value() || *max_seqlen >= 0, "lmk_ops.", op, ": expected max_seqlen >= 0, got ",
       max_seqlen.value_or(0));
   PackedBatch packed;
@@ -188,7 +189,7 @@ PackedBatch prepare_packed_hidden(const char* op, const at::Tensor& hidden, cons
 
 PackedBatch prepare_packed_grad(const char* op, const at::Tensor& grad, int64_t tokens, const at::Tensor& cu_seqlens) {
   PackedBatch packed = prepare_packed(op, tokens, grad, cu_seqlens, std::nullopt, Values::kTrusted);
-  TORCH_CHECK(
+  LMK_CHECK(
       packed.batch == grad.size(0), "lmk_ops.", op, ": expected grad_out with B = ", packed.batch,
       " texts (as cu_seqlens), got shape ", shape_str(grad.sizes()));
   return packed;
@@ -199,7 +200,7 @@ at::Tensor prepare_packed_mask(const char* op, const std::optional<at::Tensor>& 
   if (!mask.has_value() || !mask->defined()) {
     return at::Tensor();
   }
-  TORCH_CHECK(
+  LMK_CHECK(
       mask->dim() == 1 && mask->size(0) == packed.tokens, "lmk_ops.", op,
       ": expected a packed mask of shape [T] = [", packed.tokens, "], got ", shape_str(mask->sizes()));
   return prepare_mask(op, mask->view({1, packed.tokens}), 1, packed.tokens, like, values).view({packed.tokens});
@@ -225,7 +226,7 @@ at::Tensor prepare_packed_positions(const char* op, const at::Tensor& positions,
 at::Tensor prepare_packed_landmark_mask(const char* op, const at::Tensor& landmarks, const PackedBatch& packed,
                                         const at::Tensor& like) {
   check_landmarks_device(op, landmarks, like);
-  TORCH_CHECK(
+  LMK_CHECK(
       landmarks.dim() == 1 && landmarks.size(0) == packed.tokens, "lmk_ops.", op,
       ": expected a packed landmark mask of shape [T] = [", packed.tokens, "], got ", shape_str(landmarks.sizes()));
   return landmarks.contiguous();
@@ -233,7 +234,7 @@ at::Tensor prepare_packed_landmark_mask(const char* op, const at::Tensor& landma
 
 RowSelection prepare_packed_landmarks(const char* op, const at::Tensor& landmarks, const PackedBatch& packed,
                                       const at::Tensor& like, Values values) {
-  TORCH_CHECK(
+  LMK_CHECK(
       landmarks.scalar_type() == at::kBool || landmarks.scalar_type() == at::kLong, "lmk_ops.", op,
       ": expected packed landmarks as a bool mask [T] or int64 positions [B, K] padded with -1, got ",
       landmarks.scalar_type());

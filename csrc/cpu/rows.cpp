@@ -1,3 +1,4 @@
+#include "common/error.h"
 #include "cpu/rows.h"
 
 #include <ATen/OpMathType.h>
@@ -181,9 +182,9 @@ void check_range(const at::Tensor& values, int64_t lo, int64_t hi, const std::st
     if (data[i] < lo || data[i] > hi) {
       const int64_t r = i / cols, c = i % cols;
       if (landmarks) {
-        TORCH_CHECK(false, expected, ", got ", data[i], " in row ", r, " (landmarks[", r, ", ", c, "])");
+        ::lmk_ops::fail(expected, ", got ", data[i], " in row ", r, " (landmarks[", r, ", ", c, "])");
       }
-      TORCH_CHECK(false, expected, ", got ", data[i], " at [", r, ", ", c, "]");
+      ::lmk_ops::fail(expected, ", got ", data[i], " at [", r, ", ", c, "]");
     }
   }
 }

@@ -23,6 +23,7 @@
 #include <limits>
 #include <utility>
 
+#include "common/error.h"
 #include "common/dispatch.h"
 #include "cuda/attention_kernels.h"
 #include "cuda/common.cuh"
@@ -579,7 +580,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 int64_t checked_blocks(int64_t blocks) {
-  TORCH_CHECK(
+  LMK_CHECK(
       blocks <= std::numeric_limits<int32_t>::max(), "lmk_ops.attention_pool: needs ", blocks,
       " CUDA blocks, more than one launch takes; split the batch");
   return blocks;
@@ -620,7 +621,7 @@ Plan make_plan(const at::Tensor& hidden, const at::Tensor& valid, const at::Tens
     source = hidden.clone(at::MemoryFormat::Contiguous);
     vec = vector_width<scalar_t>(source, head_dim);
   }
-  TORCH_CHECK(
+  LMK_CHECK(
       head_dim / vec <= kMaxHeadPacks, "lmk_ops.attention_pool: on CUDA a head is at most ",
       kMaxHeadPacks * kWidest, " features wide in ", c10::toString(hidden.scalar_type()), " (", kMaxHeadPacks,
       " when its width is not a multiple of ", kWidest, "), got ", head_dim);
@@ -710,7 +711,7 @@ void backward_typed(const at::Tensor& grad, const at::Tensor& grad_weights, cons
 // Padded batches only: the op layer pads a packed batch before it comes here (ops/attention_ops.cpp).
 void attention_forward(const at::Tensor& hidden, const AttentionRows& rows, const at::Tensor& query, double scale,
                        at::Tensor& out, at::Tensor& stats, at::Tensor& weights) {
-  TORCH_INTERNAL_ASSERT(!rows.packed(), "lmk_ops: the CUDA attention kernels take padded batches");
+  LMK_CHECK(!rows.packed(), "lmk_ops: the CUDA attention kernels take padded batches");
   const c10::cuda::CUDAGuard guard(hidden.device());
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "attention_pool", [&] {
     forward_typed<scalar_t>(hidden, rows.listed.mask, query, scale, out, stats, weights);
@@ -720,7 +721,7 @@ void attention_forward(const at::Tensor& hidden, const AttentionRows& rows, cons
 void attention_backward(const at::Tensor& grad, const at::Tensor& grad_weights, const at::Tensor& hidden,
                         const AttentionRows& rows, const at::Tensor& query, const at::Tensor& out,
                         const at::Tensor& stats, double scale, at::Tensor& grad_hidden, at::Tensor& grad_query) {
-  TORCH_INTERNAL_ASSERT(!rows.packed(), "lmk_ops: the CUDA attention kernels take padded batches");
+  LMK_CHECK(!rows.packed(), "lmk_ops: the CUDA attention kernels take padded batches");
   const c10::cuda::CUDAGuard guard(hidden.device());
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "attention_pool_backward", [&] {
     backward_typed<scalar_t>(grad, grad_weights, hidden, rows.listed.mask, query, out, stats, scale, grad_hidden,

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/error.h"
 #include "common/row_selection.h"
 
 namespace lmk_ops::cuda {
@@ -112,7 +113,7 @@ void with_vector_width(int vec, const Body& body) {
   if (vec == kWidest) {
     body.template operator()<kWidest>();
   } else {
-    TORCH_INTERNAL_ASSERT(vec == 1, "lmk_ops: unexpected vector width ", vec);
+    LMK_CHECK(vec == 1, "lmk_ops: unexpected vector width ", vec);
     body.template operator()<1>();
   }
 }

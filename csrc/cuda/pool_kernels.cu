@@ -14,6 +14,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "common/error.h"
 #include "common/dispatch.h"
 #include "cuda/common.cuh"
 #include "cuda/pool_kernels.h"
@@ -212,7 +213,7 @@ void pool_forward(const at::Tensor& hidden, const RowSelection& selection, at::T
     const int lanes = kFeatureLanes, row_lanes = kThreads / kFeatureLanes;
     const int64_t tiles = ceil_div(packs, lanes);
     const int64_t blocks = batch * chunks * tiles;
-    TORCH_CHECK(
+    LMK_CHECK(
         blocks <= std::numeric_limits<int32_t>::max(), "lmk_ops: pooling needs ", blocks,
         " CUDA blocks, more than one launch takes; split the batch");
     const size_t shared =

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <limits>
 
+#include "common/error.h"
 #include "common/dispatch.h"
 #include "cuda/common.cuh"
 #include "cuda/rows.h"
@@ -345,7 +346,7 @@ __global__ void __launch_bounds__(kThreads) scatter_kernel(const scalar_t* grad,
 // The inverse of positions (index_positions): times [B, L] and, with first, the first entry listing each row.
 std::pair<at::Tensor, at::Tensor> invert_positions(const at::Tensor& positions, int64_t seq_len, bool with_first) {
   const int64_t batch = positions.size(0), listed = positions.size(1);
-  TORCH_CHECK(listed <= std::numeric_limits<int32_t>::max(), "lmk_ops: at most 2^31 - 1 landmark positions per "
+  LMK_CHECK(listed <= std::numeric_limits<int32_t>::max(), "lmk_ops: at most 2^31 - 1 landmark positions per "
               "text, got ", listed);
   at::Tensor times = at::zeros({batch, seq_len}, positions.options().dtype(at::kInt));
   at::Tensor first = with_first ? at::full({batch, seq_len}, listed, positions.options().dtype(at::kInt))
@@ -362,7 +363,7 @@ std::pair<at::Tensor, at::Tensor> invert_positions(const at::Tensor& positions, 
 }  // namespace
 
 RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_len) {
-  TORCH_INTERNAL_ASSERT(!selection.starts.defined(), "lmk_ops: runs of rows are a CPU form (PackedBatch::selection)");
+  LMK_CHECK(!selection.starts.defined(), "lmk_ops: runs of rows are a CPU form (PackedBatch::selection)");
   if (selection.mask.defined()) {
     const at::Tensor& mask = selection.mask;
     at::Tensor order = at::empty({batch, seq_len}, mask.options().dtype(at::kLong));

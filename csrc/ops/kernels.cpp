@@ -1,3 +1,4 @@
+#include "common/error.h"
 #include "ops/kernels.h"
 
 #include <c10/util/Exception.h>
@@ -12,7 +13,7 @@ const Kernels& kernels_for(const at::Tensor& t) {
 #endif
   // The ops are registered for CPU (and CUDA when built with it) only, so the dispatcher never brings another
   // device here; the check keeps a future registration honest.
-  TORCH_CHECK(t.is_cpu(), "lmk_ops: no kernels for device ", t.device());
+  LMK_CHECK(t.is_cpu(), "lmk_ops: no kernels for device ", device_name(t));
   return cpu::kernels();
 }
 

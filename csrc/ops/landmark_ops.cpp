@@ -6,6 +6,7 @@
 
 #include <tuple>
 
+#include "common/error.h"
 #include "common/checks.h"
 #include "common/packed.h"
 #include "ops/kernels.h"
@@ -34,7 +35,7 @@ at::Tensor landmark_mean_backward(const at::Tensor& grad, const at::Tensor& land
   constexpr const char* op = "landmark_mean_backward";
   check_pooled_grad(op, grad);
   check_grad_dtype(op, dtype);
-  TORCH_CHECK(seq_len >= 0, "lmk_ops.", op, ": expected seq_len >= 0, got ", seq_len);
+  LMK_CHECK(seq_len >= 0, "lmk_ops.", op, ": expected seq_len >= 0, got ", seq_len);
   if (cu_seqlens.has_value()) {
     const PackedBatch packed = prepare_packed_grad(op, grad, seq_len, *cu_seqlens);
     if (landmarks.scalar_type() == at::kBool) {
@@ -72,14 +73,14 @@ at::Tensor landmark_gather_backward(const at::Tensor& grad, const at::Tensor& po
                                     const std::optional<at::Tensor>& cu_seqlens) {
   constexpr const char* op = "landmark_gather_backward";
   check_grad(op, grad, 3, "[B, K, D]");
-  TORCH_CHECK(seq_len >= 0, "lmk_ops.", op, ": expected seq_len >= 0, got ", seq_len);
+  LMK_CHECK(seq_len >= 0, "lmk_ops.", op, ": expected seq_len >= 0, got ", seq_len);
   std::optional<PackedBatch> packed;
   if (cu_seqlens.has_value()) {
     packed = prepare_packed_grad(op, grad, seq_len, *cu_seqlens);
   }
   at::Tensor p = packed.has_value() ? prepare_packed_positions(op, positions, *packed, grad, Values::kTrusted)
                                     : prepare_positions(op, positions, grad.size(0), seq_len, grad, Values::kTrusted);
-  TORCH_CHECK(
+  LMK_CHECK(
       p.size(1) == grad.size(1), "lmk_ops.", op, ": expected grad_out of shape [B, K, D] with K = ", p.size(1),
       " (as positions), got ", shape_str(grad.sizes()));
   at::Tensor g = grad.contiguous();

@@ -10,6 +10,7 @@
 #include <string>
 #include <tuple>
 
+#include "common/error.h"
 #include "common/checks.h"
 #include "common/packed.h"
 #include "ops/kernels.h"
@@ -38,7 +39,7 @@ at::Tensor mean_pool_backward(
   constexpr const char* op = "mean_pool_backward";
   check_pooled_grad(op, grad);
   check_grad_dtype(op, dtype);
-  TORCH_CHECK(seq_len >= 0, "lmk_ops.", op, ": expected seq_len >= 0, got ", seq_len);
+  LMK_CHECK(seq_len >= 0, "lmk_ops.", op, ": expected seq_len >= 0, got ", seq_len);
   if (cu_seqlens.has_value()) {
     const PackedBatch packed = prepare_packed_grad(op, grad, seq_len, *cu_seqlens);
     const at::Tensor valid = prepare_packed_mask(op, mask, packed, grad, Values::kTrusted);
@@ -50,7 +51,7 @@ at::Tensor mean_pool_backward(
 
 // The int32 limit of the saved argmax, checked for a text's (padded) or the packed batch's row count.
 void check_argmax_rows(const char* op, const char* name, int64_t rows) {
-  TORCH_CHECK(
+  LMK_CHECK(
       rows <= std::numeric_limits<int32_t>::max(), "lmk_ops.", op,
       ": expected at most 2^31 - 1 tokens per text (positions are saved as int32), got ", name, " = ", rows);
 }
@@ -95,14 +96,14 @@ at::Tensor max_pool_backward(const at::Tensor& grad, const at::Tensor& argmax, i
                              const std::optional<at::Tensor>& cu_seqlens) {
   constexpr const char* op = "max_pool_backward";
   check_pooled_grad(op, grad);
-  TORCH_CHECK(
+  LMK_CHECK(
       argmax.device() == grad.device(), "lmk_ops.", op, ": expected argmax on the same device as grad_out (",
-      grad.device(), "), got ", argmax.device());
-  TORCH_CHECK(
+      device_name(grad), "), got ", device_name(argmax));
+  LMK_CHECK(
       argmax.scalar_type() == at::kInt && argmax.sizes() == grad.sizes(), "lmk_ops.", op,
       ": expected argmax of dtype int32 and shape ", shape_str(grad.sizes()), " (as max_pool returns), got ",
       argmax.scalar_type(), " of shape ", shape_str(argmax.sizes()));
-  TORCH_CHECK(seq_len >= 0, "lmk_ops.", op, ": expected seq_len >= 0, got ", seq_len);
+  LMK_CHECK(seq_len >= 0, "lmk_ops.", op, ": expected seq_len >= 0, got ", seq_len);
   // argmax is what max_pool produced, so its values are trusted (the kernels only compare them with row indices).
   if (cu_seqlens.has_value()) {
     const PackedBatch packed = prepare_packed_grad(op, grad, seq_len, *cu_seqlens);
@@ -123,7 +124,7 @@ at::Tensor max_pool_backward(const at::Tensor& grad, const at::Tensor& argmax, i
 
 at::Tensor valid_mask(const at::Tensor& mask, c10::string_view op_name) {
   const std::string op(op_name);
-  TORCH_CHECK(mask.dim() == 2, "lmk_ops.", op, ": expected mask of shape [B, L], got ", shape_str(mask.sizes()));
+  LMK_CHECK(mask.dim() == 2, "lmk_ops.", op, ": expected mask of shape [B, L], got ", shape_str(mask.sizes()));
   const at::Tensor valid = prepare_mask(op.c_str(), mask, mask.size(0), mask.size(1), mask);
   // A fresh tensor, never the input itself (an op's output must not alias its input).
   return valid.is_same(mask) || valid.data_ptr() == mask.data_ptr() ? valid.clone() : valid;
@@ -132,7 +133,7 @@ at::Tensor valid_mask(const at::Tensor& mask, c10::string_view op_name) {
 at::Tensor packed_offsets(const at::Tensor& cu_seqlens, int64_t tokens, std::optional<int64_t> max_seqlen,
                           c10::string_view op_name) {
   const std::string op(op_name);
-  TORCH_CHECK(tokens >= 0, "lmk_ops.", op, ": expected T >= 0 rows, got ", tokens);
+  LMK_CHECK(tokens >= 0, "lmk_ops.", op, ": expected T >= 0 rows, got ", tokens);
   const PackedBatch packed = prepare_packed(op.c_str(), tokens, cu_seqlens, cu_seqlens, max_seqlen);
   return packed.offsets.is_same(cu_seqlens) ? packed.offsets.clone() : packed.offsets;
 }

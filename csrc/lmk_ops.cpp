@@ -81,11 +81,6 @@ PYBIND11_MODULE(_C, m) {
 #else
         info["cuda"] = false;
 #endif
-#ifdef _OPENMP
-        info["openmp"] = true;
-#else
-        info["openmp"] = false;
-#endif
         info["num_threads"] = static_cast<int64_t>(torch::stable::get_num_threads());
         info["cpu_capability"] = lmk_ops::cpu::kernels_capability();
         return info;

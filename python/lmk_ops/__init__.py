@@ -24,7 +24,7 @@ def build_info() -> dict:
     """What this build was compiled against and uses at run time.
 
     Keys: ``version``, ``torch_version`` (torch it was built against), ``cuda`` (CUDA kernels compiled in),
-    ``openmp`` (OpenMP linked), ``num_threads`` (threads the CPU kernels use, ``torch.get_num_threads()``),
+    ``num_threads`` (threads the CPU kernels use: torch's own pool, ``torch.get_num_threads()``),
     ``cpu_capability`` (the vectorised kernel set in use: DEFAULT, AVX2 or AVX512).
     """
     return dict(_C.build_info())

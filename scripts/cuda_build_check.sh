@@ -2,23 +2,10 @@
 # Proves that the CUDA build compiles and imports, on any machine (no GPU needed): builds lmk_ops with
 # LMK_OPS_CUDA=ON against the CUDA build of torch 2.13.0 in a cached environment, imports it, and checks that every
 # op has a CUDA kernel registered. Running the kernels needs a GPU: the test suite does that where one is present.
-# The environment is cached in $LMK_OPS_CUDA_ENV (default ~/.cache/lmk_ops/cuda-torch-2.13.0), so only the first
-# run downloads torch (about 2.8 GB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-env_dir="${LMK_OPS_CUDA_ENV:-${XDG_CACHE_HOME:-$HOME/.cache}/lmk_ops/cuda-torch-2.13.0}"
-py="$env_dir/bin/python"
-
-command -v nvcc >/dev/null || { echo "cuda_build_check: nvcc is not on PATH" >&2; exit 1; }
-if ! "$py" -c "import torch, sys; sys.exit(not (torch.__version__.startswith('2.13.0') and torch.version.cuda))" \
-    2>/dev/null; then
-  rm -rf "$env_dir"
-  "${PYTHON:-python3}" -m venv "$env_dir"
-  # This machine's pip configuration adds a local CPU wheel of torch 2.13.0 (find-links), which would win over the
-  # registry's CUDA build of the same version: install without it.
-  env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$py" -m pip install -q "torch==2.13.0" \
-    "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.26" ninja numpy
-fi
+source scripts/cuda_env.sh  # sets cuda_py: the cached environment with the CUDA build of torch 2.13.0 (made once)
+py="$cuda_py"
 
 # No GPU here to detect: the architectures are named (Hopper by default; TORCH_CUDA_ARCH_LIST overrides).
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"

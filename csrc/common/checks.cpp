@@ -1,4 +1,3 @@
-#include "common/error.h"
 #include "common/checks.h"
 
 #include <cmath>
@@ -6,6 +5,7 @@
 #include <sstream>
 #include <string>
 
+#include "common/error.h"
 #include "ops/kernels.h"
 
 namespace lmk_ops {

@@ -20,23 +20,23 @@
     throw std::logic_error(std::string("lmk_ops.") + NAME + ": internal error: a dtype no kernel is built for");
 
 // Calls the lambda (its last argument) with scalar_t the C++ type of TYPE: half, bfloat16, float or double.
-#define LMK_DISPATCH_FLOATING(TYPE, NAME, ...)                     \
-  [&] {                                                            \
-    switch (TYPE) {                                                \
-      LMK_DISPATCH_CASE(Half, c10::Half, scalar_t, __VA_ARGS__)    \
+#define LMK_DISPATCH_FLOATING(TYPE, NAME, ...)                          \
+  [&] {                                                                 \
+    switch (TYPE) {                                                     \
+      LMK_DISPATCH_CASE(Half, c10::Half, scalar_t, __VA_ARGS__)         \
       LMK_DISPATCH_CASE(BFloat16, c10::BFloat16, scalar_t, __VA_ARGS__) \
-      LMK_DISPATCH_CASE(Float, float, scalar_t, __VA_ARGS__)       \
-      LMK_DISPATCH_CASE(Double, double, scalar_t, __VA_ARGS__)     \
-      LMK_DISPATCH_UNEXPECTED(NAME)                                \
-    }                                                              \
+      LMK_DISPATCH_CASE(Float, float, scalar_t, __VA_ARGS__)            \
+      LMK_DISPATCH_CASE(Double, double, scalar_t, __VA_ARGS__)          \
+      LMK_DISPATCH_UNEXPECTED(NAME)                                     \
+    }                                                                   \
   }()
 
 // Calls the lambda (its last argument) with index_t the C++ type of TYPE: int32 or int64.
-#define LMK_DISPATCH_INDEX(TYPE, NAME, ...)                        \
-  [&] {                                                            \
-    switch (TYPE) {                                                \
-      LMK_DISPATCH_CASE(Int, int32_t, index_t, __VA_ARGS__)        \
-      LMK_DISPATCH_CASE(Long, int64_t, index_t, __VA_ARGS__)       \
-      LMK_DISPATCH_UNEXPECTED(NAME)                                \
-    }                                                              \
+#define LMK_DISPATCH_INDEX(TYPE, NAME, ...)                  \
+  [&] {                                                      \
+    switch (TYPE) {                                          \
+      LMK_DISPATCH_CASE(Int, int32_t, index_t, __VA_ARGS__)  \
+      LMK_DISPATCH_CASE(Long, int64_t, index_t, __VA_ARGS__) \
+      LMK_DISPATCH_UNEXPECTED(NAME)                          \
+    }                                                        \
   }()

@@ -1,4 +1,3 @@
-#include "common/error.h"
 #include "common/packed.h"
 
 #include <ATen/TensorOperators.h>
@@ -15,6 +14,7 @@
 #include <string>
 
 #include "common/dispatch.h"
+#include "common/error.h"
 #include "ops/kernels.h"
 
 namespace lmk_ops {

@@ -318,16 +318,24 @@ struct SoftmaxReducer {
 #endif
 };
 
-// The query as row_scores() takes it: q itself, or with `pairs` a copy in pair order (kept in `storage`).
-template <typename acc>
-inline const acc* score_query(const acc* q, int64_t dim, bool pairs, std::vector<acc>& storage) {
-  if (!pairs) {
-    return q;
+// The query [dim] as row_scores() takes it for rows of this type, feature stride and head width: q itself, or a
+// copy in pair order where use_pairs() holds. The forward and the backward both build it here, so a score
+// recomputed in the backward meets the query in the forward's order and keeps its bits.
+template <typename scalar_t>
+struct ScoreQuery {
+  using acc = acc_t<scalar_t>;
+  bool pairs;
+  std::vector<acc> storage;
+  const acc* data;
+
+  ScoreQuery(const acc* q, int64_t dim, int64_t stride, int64_t head_dim)
+      : pairs(use_pairs<scalar_t>(stride, head_dim)), storage(pairs ? dim : 0), data(q) {
+    if (pairs) {
+      to_pair_order(q, storage.data(), dim);
+      data = storage.data();
+    }
   }
-  storage.resize(dim);
-  to_pair_order(q, storage.data(), dim);
-  return storage.data();
-}
+};
 
 // A score's probability from its text and head's statistics {max, sum}: exp(score - max) / sum, as a softmax
 // computes it. Kept as that pair rather than one log-sum-exp number max + log(sum), the statistics lose nothing at
@@ -355,9 +363,8 @@ void attention_forward_typed(const at::Tensor& hidden, const AttentionRows& rows
   const int64_t chunks = chunks_for(list.upper());
   // Where text b's weights start: [B, H, L], or one [H, T] for a packed batch (rows of texts never overlap).
   const int64_t weights_batch = rows.packed() ? 0 : heads * seq_len;
-  const bool pairs = use_pairs<scalar_t>(sd, head_dim);
-  std::vector<acc> query_storage;
-  const acc* qs = score_query(q, dim, pairs, query_storage);
+  const ScoreQuery<scalar_t> query_in_order(q, dim, sd, head_dim);
+  const bool pairs = query_in_order.pairs;
   // Each chunk's softmax state (running max, total, weighted sum), merged per text below in chunk order.
   std::vector<acc> part_max(batch * chunks * heads);
   std::vector<double> part_sum(batch * chunks * heads), part_out(batch * chunks * dim);
@@ -367,11 +374,18 @@ void attention_forward_typed(const at::Tensor& hidden, const AttentionRows& rows
     std::vector<acc> state(n + (2 + kRowGroup) * block_heads);
     std::vector<double> totals(n + block_heads);
     acc* scores = w != nullptr ? w + b * weights_batch + h0 * seq_len : nullptr;
-    SoftmaxReducer<scalar_t> reducer{qs + d0,         static_cast<acc>(scale), block_heads,
-                                     head_dim,        pairs,                   state.data(),
+    SoftmaxReducer<scalar_t> reducer{query_in_order.data + d0,
+                                     static_cast<acc>(scale),
+                                     block_heads,
+                                     head_dim,
+                                     pairs,
+                                     state.data(),
                                      totals.data(),
-                                     state.data() + n, state.data() + n + block_heads, totals.data() + n,
-                                     scores,          seq_len,
+                                     state.data() + n,
+                                     state.data() + n + block_heads,
+                                     totals.data() + n,
+                                     scores,
+                                     seq_len,
                                      state.data() + n + 2 * block_heads};
     if (reduce_rows(h + b * sb + d0 * sd, sl, sd, n, chunk_rows, reducer) > 0) {
       reducer.fold();
@@ -483,9 +497,7 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
   // Per-row values live at [(b * row_batch + h) * seq_len + l]: [B, H, L], or one [H, T] for a packed batch.
   const int64_t row_batch = rows.packed() ? 0 : heads, row_texts = rows.packed() ? 1 : batch;
   // The scores as the forward computed them (row_scores, the same query order).
-  const bool pairs = use_pairs<scalar_t>(sd, head_dim);
-  std::vector<acc> query_storage;
-  const acc* qs = score_query(q, dim, pairs, query_storage);
+  const ScoreQuery<scalar_t> query_in_order(q, dim, sd, head_dim);
   // p and e of every valid row, per head; per chunk the sums of p e (x - m) and p (x - m) per feature and of p e
   // per head, in float64.
   std::vector<acc> prob(row_texts * heads * seq_len), err(row_texts * heads * seq_len);
@@ -508,7 +520,7 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
     int64_t in_run = 0;
     chunk_rows.each([&](int64_t l) {
       const scalar_t* row = text + l * sl;
-      row_scores(row, sd, qs + d0, block_heads, head_dim, sc, pairs, scores.data());
+      row_scores(row, sd, query_in_order.data + d0, block_heads, head_dim, sc, query_in_order.pairs, scores.data());
       // The row's probabilities, as probability() computes them, with the heads' exponentials taken together.
       for (int64_t hh = 0; hh < block_heads; ++hh) {
         scores[hh] -= static_cast<acc>(text_stats[2 * hh]);

@@ -15,7 +15,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cpu/kernel_common.h"
+#include "cpu/simd.h"
 
 namespace lmk_ops::cpu::CPU_CAPABILITY {
 

@@ -1,10 +1,9 @@
-#include "common/error.h"
 #include "cpu/rows.h"
 
 #include <ATen/OpMathType.h>
-#include <torch/csrc/stable/ops.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
 #include <cstring>
@@ -12,6 +11,7 @@
 #include <vector>
 
 #include "common/dispatch.h"
+#include "common/error.h"
 
 namespace lmk_ops::cpu {
 namespace {

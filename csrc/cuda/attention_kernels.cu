@@ -23,8 +23,8 @@
 #include <limits>
 #include <utility>
 
-#include "common/error.h"
 #include "common/dispatch.h"
+#include "common/error.h"
 #include "cuda/attention_kernels.h"
 #include "cuda/common.cuh"
 

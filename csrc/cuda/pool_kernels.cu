@@ -14,8 +14,8 @@
 #include <limits>
 #include <type_traits>
 
-#include "common/error.h"
 #include "common/dispatch.h"
+#include "common/error.h"
 #include "cuda/common.cuh"
 #include "cuda/pool_kernels.h"
 

@@ -10,8 +10,8 @@
 #include <cstdio>
 #include <limits>
 
-#include "common/error.h"
 #include "common/dispatch.h"
+#include "common/error.h"
 #include "cuda/common.cuh"
 #include "cuda/rows.h"
 

@@ -1,7 +1,6 @@
-#include "common/error.h"
 #include "ops/kernels.h"
 
-#include <c10/util/Exception.h>
+#include "common/error.h"
 
 namespace lmk_ops {
 

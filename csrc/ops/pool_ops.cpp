@@ -10,8 +10,8 @@
 #include <string>
 #include <tuple>
 
-#include "common/error.h"
 #include "common/checks.h"
+#include "common/error.h"
 #include "common/packed.h"
 #include "ops/kernels.h"
 #include "ops/pooling.h"

@@ -78,8 +78,9 @@ std::tuple<at::Tensor, at::Tensor> token_pool(const at::Tensor& hidden, const st
     const at::Tensor valid = prepare_mask(op, mask, batch, seq_len, hidden);
     // The padded batch as texts of L rows each, one after another.
     const auto options = hidden.options().dtype(at::kLong);
-    std::tie(rows, positions) = find_rows(valid.defined() ? valid.view({-1}) : valid, at::arange(batch, options) * seq_len,
-                                          at::full({batch}, seq_len, options), batch * seq_len, last);
+    std::tie(rows, positions) = find_rows(valid.defined() ? valid.view({-1}) : valid,
+                                          at::arange(batch, options) * seq_len, at::full({batch}, seq_len, options),
+                                          batch * seq_len, last);
     rows = positions;  // the gather reads positions of each text
     view = hidden;
   }

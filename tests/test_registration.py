@@ -2,6 +2,7 @@
 build information, and the version guard on import."""
 
 import importlib
+import sys
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ def _inputs(dtype=torch.float32, requires_grad=True, device="cpu"):
 # The landmark layouts of _inputs' 3 x 11 batch: a bool mask, and positions with a repeat, -1 and an empty row.
 LANDMARK_MASK = torch.tensor([[0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1], [0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0], [0] * 11]).bool()
 POSITIONS = torch.tensor([[2, 5, 10, -1], [1, -1, 1, 3], [-1, -1, -1, -1]])
+QUERY = torch.randn(13, generator=torch.Generator().manual_seed(1))
 
 # Every public function as f(hidden, second_argument), with the argument kinds it is checked with.
 FUNCTIONS = {
@@ -36,6 +38,9 @@ FUNCTIONS = {
     "landmark_mean": (lmk_ops.landmark_mean, "landmarks"),
     "landmark_mean+normalize": (partial(lmk_ops.landmark_mean, normalize=True), "landmarks"),
     "landmark_gather": (lambda h, lm: lmk_ops.landmark_gather(h, lm)[0], "positions"),
+    "first_token_pool": (lmk_ops.first_token_pool, "mask"),
+    "last_token_pool": (lmk_ops.last_token_pool, "mask"),
+    "attention_pool": (lambda h, m: lmk_ops.attention_pool(h, m, QUERY.to(h.device, h.dtype)), "mask"),
 }
 SECOND_ARGUMENTS = {
     "mask": {"mask": lambda: _inputs()[1], "no mask": lambda: None},
@@ -94,6 +99,35 @@ def test_gradients_are_wired(name, kind, device):
     fn, hidden, arg = _case(name, kind, device=device)
     (fn(hidden, arg) * torch.randn(fn(hidden, arg).shape, device=device)).sum().backward()
     assert hidden.grad is not None and hidden.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name,kind", CASES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_calls_with_nothing_to_differentiate_skip_the_autograd_kernel(name, kind, device, monkeypatch):
+    # The public functions call an op below autograd (past torch.library's Python autograd kernel) when no input
+    # requires grad or grad mode is off, and through it otherwise: the same values either way.
+    below = []  # the calls lmk_ops made below autograd (torch.library's autograd kernel goes there too)
+    real = torch._C._AutoDispatchBelowAutograd
+
+    class Spy(real):
+        def __enter__(self):
+            if sys._getframe(1).f_globals["__name__"].startswith("lmk_ops"):
+                below.append(True)
+            return super().__enter__()
+
+    monkeypatch.setattr(torch._C, "_AutoDispatchBelowAutograd", Spy)
+    fn, hidden, arg = _case(name, kind, device=device)
+    tracked = fn(hidden, arg)
+    assert tracked.requires_grad and not below
+    with torch.no_grad():
+        untracked = fn(hidden, arg)
+    plain = fn(hidden.detach(), arg)
+    with torch.inference_mode():
+        inference = fn(hidden.detach(), arg)
+    assert len(below) == 3
+    for out in (untracked, plain, inference):
+        assert not out.requires_grad
+        assert torch.equal(out, tracked.detach())
 
 
 @pytest.mark.parametrize("name,kind", CASES)

@@ -22,6 +22,18 @@ _PACKED_DOC = """cu_seqlens: for a packed (variable-length) batch: int32 or int6
             ``[T]``, and each text pools to the same bits as padded or alone.
         max_seqlen: with cu_seqlens, the longest text's length if known (a host int): spares a device sync."""
 
+
+def _call(op, *args):
+    """op(*args), past its autograd kernel when there is nothing to differentiate. That kernel is a Python function
+    (torch.library's), and its tens of microseconds per call are most of a small pooling's time (inference on a
+    short query, first-token pooling). Never while compiling (dynamo traces the plain call) or inside torch.func
+    transforms, whose layers need every dispatch key."""
+    if ((torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args))
+            or torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None):
+        return op(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
 _NORMALIZE_DOC = """normalize: L2-normalise each output vector inside the op (forward and backward), as
             ``torch.nn.functional.normalize(out, dim=-1)`` would, but from the float32 result before it is rounded to
             hidden's dtype. A zero vector stays zero."""
@@ -47,7 +59,7 @@ def mean_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = F
         another shape, device or dtype (float), or mask values other than 0/1.
     """
     check_call("mean_pool", hidden, mask, cu_seqlens)
-    return torch.ops.lmk_ops.mean_pool(hidden, mask, normalize, cu_seqlens, max_seqlen)[0]
+    return _call(torch.ops.lmk_ops.mean_pool, hidden, mask, normalize, cu_seqlens, max_seqlen)[0]
 
 
 def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False, return_indices: bool = False,
@@ -71,7 +83,7 @@ def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = Fa
         RuntimeError: starting ``lmk_ops.max_pool:``, as for :func:`mean_pool`.
     """
     check_call("max_pool", hidden, mask, cu_seqlens)
-    values, argmax, _ = torch.ops.lmk_ops.max_pool(hidden, mask, normalize, cu_seqlens, max_seqlen)
+    values, argmax, _ = _call(torch.ops.lmk_ops.max_pool, hidden, mask, normalize, cu_seqlens, max_seqlen)
     return (values, argmax) if return_indices else values
 
 
@@ -103,7 +115,7 @@ def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False,
         outside hidden is ever read).
     """
     check_call("landmark_mean", hidden, landmarks, cu_seqlens)
-    return torch.ops.lmk_ops.landmark_mean(hidden, landmarks, normalize, cu_seqlens, max_seqlen)[0]
+    return _call(torch.ops.lmk_ops.landmark_mean, hidden, landmarks, normalize, cu_seqlens, max_seqlen)[0]
 
 
 def _values_known(t: Tensor) -> bool:
@@ -205,7 +217,7 @@ def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | N
         if isinstance(landmarks, Tensor) and landmarks.dtype == torch.bool:
             check_landmarks(op, landmarks, hidden.shape[0], hidden.shape[1], hidden)
             landmarks = landmark_positions(landmarks, num_landmarks)
-    return torch.ops.lmk_ops.landmark_gather(hidden, landmarks, cu_seqlens), landmarks >= 0
+    return _call(torch.ops.lmk_ops.landmark_gather, hidden, landmarks, cu_seqlens), landmarks >= 0
 
 
 for _fn in (mean_pool, max_pool, landmark_mean):
@@ -221,7 +233,7 @@ def first_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: 
     zeros. The gradient goes to that one token.
     """
     check_call("first_token_pool", hidden, mask, cu_seqlens)
-    return torch.ops.lmk_ops.token_pool(hidden, mask, False, cu_seqlens, max_seqlen)[0]
+    return _call(torch.ops.lmk_ops.token_pool, hidden, mask, False, cu_seqlens, max_seqlen)[0]
 
 
 def last_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: Tensor | None = None,
@@ -232,7 +244,7 @@ def last_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: T
     zeros.
     """
     check_call("last_token_pool", hidden, mask, cu_seqlens)
-    return torch.ops.lmk_ops.token_pool(hidden, mask, True, cu_seqlens, max_seqlen)[0]
+    return _call(torch.ops.lmk_ops.token_pool, hidden, mask, True, cu_seqlens, max_seqlen)[0]
 
 
 def packed_as_padded(op: str, hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor, max_seqlen: int | None):
@@ -282,8 +294,8 @@ def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale:
     if isinstance(scale, Tensor):
         fail("attention_pool", "expected scale as a Python number, got a tensor (a scale is not learned: a "
                                "learned one is the query's norm, so fold it into the query)")
-    out, _, weights = torch.ops.lmk_ops.attention_pool(hidden, mask, query, scale, return_weights, cu_seqlens,
-                                                       max_seqlen)
+    out, _, weights = _call(torch.ops.lmk_ops.attention_pool, hidden, mask, query, scale, return_weights, cu_seqlens,
+                            max_seqlen)
     if not return_weights:
         return out
     return out, weights.squeeze(-2 if cu_seqlens is None else 0) if query.dim() == 1 else weights

@@ -347,17 +347,17 @@ inline acc probability(acc score, const double* stats) {
 }
 
 template <typename scalar_t>
-void attention_forward_typed(const at::Tensor& hidden, const AttentionRows& rows, const at::Tensor& query,
-                             double scale, at::Tensor& out, at::Tensor& stats, at::Tensor& weights) {
+void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, const Tensor& query,
+                             double scale, Tensor& out, Tensor& stats, Tensor& weights) {
   using acc = acc_t<scalar_t>;
   const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
   const int64_t sb = hidden.stride(0), sl = hidden.stride(1), sd = hidden.stride(2);
   const int64_t heads = query.size(0), head_dim = query.size(1);
   const scalar_t* h = hidden.const_data_ptr<scalar_t>();
   const acc* q = query.const_data_ptr<acc>();
-  scalar_t* o = out.data_ptr<scalar_t>();
-  double* all_stats = stats.data_ptr<double>();
-  acc* w = weights.defined() ? weights.data_ptr<acc>() : nullptr;
+  scalar_t* o = out.mutable_data_ptr<scalar_t>();
+  double* all_stats = stats.mutable_data_ptr<double>();
+  acc* w = weights.defined() ? weights.mutable_data_ptr<acc>() : nullptr;
   const RowListing listing = list_rows(rows.listed, batch, seq_len);
   const RowList& list = listing.view;
   const int64_t chunks = chunks_for(list.upper());
@@ -475,10 +475,10 @@ inline void combine(acc* dst, acc p, const acc* g, acc c, const acc* q, int64_t 
 }
 
 template <typename scalar_t>
-void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_weights, const at::Tensor& hidden,
-                              const AttentionRows& rows, const at::Tensor& query, const at::Tensor& out,
-                              const at::Tensor& stats, double scale, at::Tensor& grad_hidden,
-                              at::Tensor& grad_query) {
+void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, const Tensor& hidden,
+                              const AttentionRows& rows, const Tensor& query, const Tensor& out,
+                              const Tensor& stats, double scale, Tensor& grad_hidden,
+                              Tensor& grad_query) {
   using acc = acc_t<scalar_t>;
   const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
   const int64_t sb = hidden.stride(0), sl = hidden.stride(1), sd = hidden.stride(2);
@@ -489,7 +489,7 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
   const acc* q = query.const_data_ptr<acc>();
   const acc* mean = out.const_data_ptr<acc>();
   const double* all_stats = stats.const_data_ptr<double>();
-  scalar_t* gh = grad_hidden.data_ptr<scalar_t>();
+  scalar_t* gh = grad_hidden.mutable_data_ptr<scalar_t>();
   const auto sc = static_cast<acc>(scale);
   const RowListing listing = list_rows(rows.listed, batch, seq_len);
   const RowList& list = listing.view;
@@ -593,7 +593,7 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
       }
     }
   });
-  acc* gq = grad_query.data_ptr<acc>();
+  acc* gq = grad_query.mutable_data_ptr<acc>();
   for (int64_t i = 0; i < dim; ++i) {
     acc total = 0;
     for (int64_t b = 0; b < batch; ++b) {
@@ -605,16 +605,16 @@ void attention_backward_typed(const at::Tensor& grad, const at::Tensor& grad_wei
 
 }  // namespace
 
-void attention_forward(const at::Tensor& hidden, const AttentionRows& rows, const at::Tensor& query, double scale,
-                       at::Tensor& out, at::Tensor& stats, at::Tensor& weights) {
+void attention_forward(const Tensor& hidden, const AttentionRows& rows, const Tensor& query, double scale,
+                       Tensor& out, Tensor& stats, Tensor& weights) {
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "attention_pool", [&] {
     attention_forward_typed<scalar_t>(hidden, rows, query, scale, out, stats, weights);
   });
 }
 
-void attention_backward(const at::Tensor& grad, const at::Tensor& grad_weights, const at::Tensor& hidden,
-                        const AttentionRows& rows, const at::Tensor& query, const at::Tensor& out,
-                        const at::Tensor& stats, double scale, at::Tensor& grad_hidden, at::Tensor& grad_query) {
+void attention_backward(const Tensor& grad, const Tensor& grad_weights, const Tensor& hidden,
+                        const AttentionRows& rows, const Tensor& query, const Tensor& out,
+                        const Tensor& stats, double scale, Tensor& grad_hidden, Tensor& grad_query) {
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "attention_pool_backward", [&] {
     attention_backward_typed<scalar_t>(grad, grad_weights, hidden, rows, query, out, stats, scale, grad_hidden,
                                        grad_query);

@@ -7,7 +7,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "common/row_selection.h"
 #include "cpu/row_list.h"
 #include "cpu/simd.h"
 

@@ -9,7 +9,6 @@
 #include "cpu/bf16_pairs.h"
 #include "cpu/kernel_common.h"
 #include "cpu/rows.h"
-#include "ops/kernels.h"
 
 namespace lmk_ops::cpu::CPU_CAPABILITY {
 namespace {
@@ -192,7 +191,7 @@ struct MaxReducer {
 // rows (for_each_chunk) and hands the reduced block to chunk_done(b, chunk, d0, n, reducer, rows), rows being the
 // text's selected row count; then combine(b, d0, n, rows) finishes the texts of several chunks.
 template <typename scalar_t, typename Reducer, typename ChunkDone, typename Combine>
-void pool_forward(const at::Tensor& hidden, const RowList& list, const ChunkDone& chunk_done,
+void pool_forward(const Tensor& hidden, const RowList& list, const ChunkDone& chunk_done,
                   const Combine& combine) {
   const int64_t batch = hidden.size(0), dim = hidden.size(2);
   const int64_t sb = hidden.stride(0), sl = hidden.stride(1), sd = hidden.stride(2);
@@ -209,14 +208,14 @@ void pool_forward(const at::Tensor& hidden, const RowList& list, const ChunkDone
 }
 
 template <typename scalar_t, typename out_t>
-void mean_forward_typed(const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out) {
+void mean_forward_typed(const Tensor& hidden, const RowSelection& rows, Tensor& out) {
   const int64_t batch = hidden.size(0), dim = hidden.size(2);
   const RowListing listing = list_rows(rows, batch, hidden.size(1));
   const RowList& list = listing.view;
   const int64_t chunks = chunks_for(list.upper());
   // The chunk sums of texts with several chunks, combined in chunk order.
   std::vector<double> partial(chunks > 1 ? batch * chunks * dim : 0);
-  out_t* o = out.data_ptr<out_t>();
+  out_t* o = out.mutable_data_ptr<out_t>();
   pool_forward<scalar_t, SumReducer<scalar_t>>(
       hidden, list,
       [&](int64_t b, int64_t chunk, int64_t d0, int64_t n, const SumReducer<scalar_t>& r, int64_t count) {
@@ -245,7 +244,7 @@ void mean_forward_typed(const at::Tensor& hidden, const RowSelection& rows, at::
 }
 
 template <typename scalar_t>
-void max_forward_typed(const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out, at::Tensor& argmax) {
+void max_forward_typed(const Tensor& hidden, const RowSelection& rows, Tensor& out, Tensor& argmax) {
   using acc = acc_t<scalar_t>;
   using index_t = same_size_int<acc>;
   const int64_t batch = hidden.size(0), dim = hidden.size(2);
@@ -254,8 +253,8 @@ void max_forward_typed(const at::Tensor& hidden, const RowSelection& rows, at::T
   const int64_t chunks = chunks_for(list.upper());
   std::vector<acc> partial(chunks > 1 ? batch * chunks * dim : 0);
   std::vector<index_t> partial_where(partial.size());
-  scalar_t* o = out.data_ptr<scalar_t>();
-  int32_t* a = argmax.data_ptr<int32_t>();
+  scalar_t* o = out.mutable_data_ptr<scalar_t>();
+  int32_t* a = argmax.mutable_data_ptr<int32_t>();
   pool_forward<scalar_t, MaxReducer<scalar_t>>(
       hidden, list,
       [&](int64_t b, int64_t chunk, int64_t d0, int64_t n, const MaxReducer<scalar_t>& r, int64_t count) {
@@ -290,7 +289,7 @@ void max_forward_typed(const at::Tensor& hidden, const RowSelection& rows, at::T
       });
 }
 
-void mean_forward(const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out) {
+void mean_forward(const Tensor& hidden, const RowSelection& rows, Tensor& out) {
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "mean_pool", [&] {
     if (out.scalar_type() == hidden.scalar_type()) {
       mean_forward_typed<scalar_t, scalar_t>(hidden, rows, out);
@@ -300,7 +299,7 @@ void mean_forward(const at::Tensor& hidden, const RowSelection& rows, at::Tensor
   });
 }
 
-void max_forward(const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out, at::Tensor& argmax) {
+void max_forward(const Tensor& hidden, const RowSelection& rows, Tensor& out, Tensor& argmax) {
   LMK_DISPATCH_FLOATING(
       hidden.scalar_type(), "max_pool", [&] { max_forward_typed<scalar_t>(hidden, rows, out, argmax); });
 }
@@ -309,11 +308,11 @@ void max_forward(const at::Tensor& hidden, const RowSelection& rows, at::Tensor&
 // row written once, whole and in order. Only bits are moved (zero is all-zero bits in every float dtype), so the
 // select runs on unsigned words of the element's width, which the compiler vectorises for this capability.
 template <typename word_t>
-void max_backward_words(const at::Tensor& grad, const at::Tensor& argmax, at::Tensor& grad_hidden) {
+void max_backward_words(const Tensor& grad, const Tensor& argmax, Tensor& grad_hidden) {
   const int64_t seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
   const auto* g = static_cast<const word_t*>(grad.const_data_ptr());
   const int32_t* a = argmax.const_data_ptr<int32_t>();
-  auto* out = static_cast<word_t*>(grad_hidden.data_ptr());
+  auto* out = static_cast<word_t*>(grad_hidden.mutable_data_ptr());
   const int64_t grain = std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, dim));
   torch::stable::parallel_for(0, grad_hidden.size(0) * seq_len, grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
@@ -329,7 +328,7 @@ void max_backward_words(const at::Tensor& grad, const at::Tensor& argmax, at::Te
   });
 }
 
-void max_backward(const at::Tensor& grad, const at::Tensor& argmax, at::Tensor& grad_hidden) {
+void max_backward(const Tensor& grad, const Tensor& argmax, Tensor& grad_hidden) {
   switch (grad.element_size()) {
     case 2:
       return max_backward_words<uint16_t>(grad, argmax, grad_hidden);

@@ -1,9 +1,10 @@
 #pragma once
 // Each text's selected rows in order, as the CPU forward kernels take them: the rows they cut into chunks of
 // kChunkRows (kernel_common.h). The CPU twin of the CUDA row listing (cuda/common.cuh).
-#include <ATen/core/Tensor.h>
+#include <cstdint>
+#include <vector>
 
-#include "common/row_selection.h"
+#include "cpu/kernel_types.h"
 
 namespace lmk_ops::cpu {
 
@@ -29,9 +30,9 @@ struct RowList {
   }
 };
 
-// A RowList and the storage it views.
+// A RowList and the storage it views (moving keeps the view valid; list_rows returns it in place).
 struct RowListing {
-  at::Tensor order, count;
+  std::vector<int64_t> order, count;
   RowList view;
 };
 

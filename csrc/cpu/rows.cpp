@@ -1,12 +1,10 @@
 #include "cpu/rows.h"
 
-#include <ATen/OpMathType.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -16,19 +14,15 @@
 namespace lmk_ops::cpu {
 namespace {
 
-// How many times each (b, l) row is selected: bool for a mask (0/1), int32 for listed positions; undefined when
-// every row is selected once.
-at::Tensor times_selected(const RowSelection& rows, int64_t batch, int64_t seq_len) {
-  if (!rows.positions.defined()) {
-    return rows.mask;
-  }
-  at::Tensor times = at::zeros({batch, seq_len}, rows.positions.options().dtype(at::kInt));
+// How many times each (b, l) row is selected, as an int32 [B, L] count, for listed positions (a mask's rows are
+// selected once each, and every row once when nothing selects).
+std::vector<int32_t> times_listed(const RowSelection& rows, int64_t batch, int64_t seq_len) {
+  std::vector<int32_t> times(batch * seq_len, 0);
   const int64_t listed = rows.positions.size(1);
   const int64_t* p = rows.positions.const_data_ptr<int64_t>();
-  int32_t* t = times.data_ptr<int32_t>();
   for (int64_t i = 0; i < batch * listed; ++i) {
     if (p[i] >= 0 && p[i] < seq_len) {  // trusted (checked by the forward), but never a write outside
-      ++t[(i / listed) * seq_len + p[i]];
+      ++times[(i / listed) * seq_len + p[i]];
     }
   }
   return times;
@@ -37,13 +31,17 @@ at::Tensor times_selected(const RowSelection& rows, int64_t batch, int64_t seq_l
 // Writes every row of grad_hidden once, split over (b, l) rows: a row selected once is a memcpy of its text's
 // scaled gradient, an unselected row a memset, a row listed several times the scaled gradient times that count.
 template <typename scalar_t, typename times_t>
-void write_weighted_rows(const at::Tensor& scaled_wide, const times_t* times, at::Tensor& grad_hidden) {
-  using acc = at::opmath_type<scalar_t>;
+void write_weighted_rows(const Tensor& scaled_wide, const times_t* times, Tensor& grad_hidden) {
+  using acc = acc_t<scalar_t>;
   const int64_t seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
-  const at::Tensor scaled = scaled_wide.to(grad_hidden.scalar_type()).contiguous();
-  const scalar_t* src = scaled.const_data_ptr<scalar_t>();
   const acc* src_wide = scaled_wide.const_data_ptr<acc>();
-  scalar_t* dst = grad_hidden.data_ptr<scalar_t>();
+  // The gradient rows rounded to grad_hidden's dtype once, for the rows that copy them.
+  std::vector<scalar_t> narrow(std::is_same_v<scalar_t, acc> ? 0 : scaled_wide.numel());
+  for (size_t i = 0; i < narrow.size(); ++i) {
+    narrow[i] = static_cast<scalar_t>(src_wide[i]);
+  }
+  const scalar_t* src = narrow.empty() ? reinterpret_cast<const scalar_t*>(src_wide) : narrow.data();
+  scalar_t* dst = grad_hidden.mutable_data_ptr<scalar_t>();
   const size_t row_bytes = static_cast<size_t>(dim) * sizeof(scalar_t);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / dim);
   torch::stable::parallel_for(0, grad_hidden.size(0) * seq_len, grain, [&](int64_t begin, int64_t end) {
@@ -67,12 +65,12 @@ void write_weighted_rows(const at::Tensor& scaled_wide, const times_t* times, at
 // out[b, k] = hidden[b, positions[b, k]], zeros where the position is -1. Split over (b, k) rows: each output row
 // is written once (a memcpy when hidden's features are contiguous).
 template <typename scalar_t>
-void gather_rows(const at::Tensor& hidden, const at::Tensor& positions, at::Tensor& out) {
+void gather_rows(const Tensor& hidden, const Tensor& positions, Tensor& out) {
   const int64_t listed = positions.size(1), dim = hidden.size(2);
   const int64_t sb = hidden.stride(0), sl = hidden.stride(1), sd = hidden.stride(2);
   const scalar_t* h = hidden.const_data_ptr<scalar_t>();
   const int64_t* p = positions.const_data_ptr<int64_t>();
-  scalar_t* o = out.data_ptr<scalar_t>();
+  scalar_t* o = out.mutable_data_ptr<scalar_t>();
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, dim));
   torch::stable::parallel_for(0, out.size(0) * listed, grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
@@ -98,12 +96,12 @@ void gather_rows(const at::Tensor& hidden, const at::Tensor& positions, at::Tens
 // over texts. A row listed once is a copy; a repeated position's gradients are summed in k order in the
 // accumulation type and rounded once, so the result is deterministic and as exact as one rounding allows.
 template <typename scalar_t>
-void scatter_rows(const at::Tensor& grad, const at::Tensor& positions, at::Tensor& grad_hidden) {
-  using acc = at::opmath_type<scalar_t>;
+void scatter_rows(const Tensor& grad, const Tensor& positions, Tensor& grad_hidden) {
+  using acc = acc_t<scalar_t>;
   const int64_t listed = positions.size(1), seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
   const scalar_t* g = grad.const_data_ptr<scalar_t>();
   const int64_t* p = positions.const_data_ptr<int64_t>();
-  scalar_t* out = grad_hidden.data_ptr<scalar_t>();
+  scalar_t* out = grad_hidden.mutable_data_ptr<scalar_t>();
   torch::stable::parallel_for(0, grad_hidden.size(0), 1, [&](int64_t begin, int64_t end) {
     std::vector<std::pair<int64_t, int64_t>> rows;  // (l, k), grouped by l with k increasing
     std::vector<acc> sum(dim);
@@ -146,17 +144,16 @@ RowListing list_rows(const RowSelection& selection, int64_t batch, int64_t seq_l
   if (selection.starts.defined()) {
     const int64_t* lengths = selection.lengths.const_data_ptr<int64_t>();
     const int64_t longest = batch > 0 ? *std::max_element(lengths, lengths + batch) : 0;
-    return {at::Tensor(), at::Tensor(),
+    return {{}, {},
             RowList{nullptr, lengths, selection.starts.const_data_ptr<int64_t>(), longest, seq_len, /*listed=*/false}};
   }
   if (!by_mask && !selection.positions.defined()) {
-    return {at::Tensor(), at::Tensor(), RowList{nullptr, nullptr, nullptr, seq_len, seq_len, /*listed=*/false}};
+    return {{}, {}, RowList{nullptr, nullptr, nullptr, seq_len, seq_len, /*listed=*/false}};
   }
   const int64_t width = by_mask ? seq_len : selection.positions.size(1);
-  const at::TensorOptions options = at::TensorOptions().dtype(at::kLong);
-  at::Tensor order = at::empty({batch, width}, options), count = at::empty({batch}, options);
-  int64_t* o = order.data_ptr<int64_t>();
-  int64_t* c = count.data_ptr<int64_t>();
+  std::vector<int64_t> order(batch * width), count(batch);
+  int64_t* o = order.data();
+  int64_t* c = count.data();
   const bool* mask = by_mask ? selection.mask.const_data_ptr<bool>() : nullptr;
   const int64_t* positions = by_mask ? nullptr : selection.positions.const_data_ptr<int64_t>();
   torch::stable::parallel_for(0, batch, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, width)),
@@ -172,10 +169,10 @@ RowListing list_rows(const RowSelection& selection, int64_t batch, int64_t seq_l
                        c[b] = n;
                      }
                    });
-  return {order, count, RowList{o, c, nullptr, width, seq_len, /*listed=*/true}};
+  return {std::move(order), std::move(count), RowList{o, c, nullptr, width, seq_len, /*listed=*/true}};
 }
 
-void check_range(const at::Tensor& values, int64_t lo, int64_t hi, const std::string& expected, bool landmarks) {
+void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, bool landmarks) {
   const int64_t* data = values.const_data_ptr<int64_t>();
   const int64_t numel = values.numel(), cols = values.size(-1);
   for (int64_t i = 0; i < numel; ++i) {
@@ -189,26 +186,26 @@ void check_range(const at::Tensor& values, int64_t lo, int64_t hi, const std::st
   }
 }
 
-void mean_backward(const at::Tensor& scaled, const RowSelection& rows, at::Tensor& grad_hidden) {
-  const at::Tensor times = times_selected(rows, grad_hidden.size(0), grad_hidden.size(1));
+void mean_backward(const Tensor& scaled, const RowSelection& rows, Tensor& grad_hidden) {
   LMK_DISPATCH_FLOATING(grad_hidden.scalar_type(), "mean_backward", [&] {
-    if (!times.defined()) {
-      write_weighted_rows<scalar_t, bool>(scaled, nullptr, grad_hidden);
-    } else if (times.scalar_type() == at::kBool) {
-      write_weighted_rows<scalar_t>(scaled, times.const_data_ptr<bool>(), grad_hidden);
+    if (rows.positions.defined()) {
+      const std::vector<int32_t> times = times_listed(rows, grad_hidden.size(0), grad_hidden.size(1));
+      write_weighted_rows<scalar_t>(scaled, times.data(), grad_hidden);
+    } else if (rows.mask.defined()) {
+      write_weighted_rows<scalar_t>(scaled, rows.mask.const_data_ptr<bool>(), grad_hidden);
     } else {
-      write_weighted_rows<scalar_t>(scaled, times.const_data_ptr<int32_t>(), grad_hidden);
+      write_weighted_rows<scalar_t, bool>(scaled, nullptr, grad_hidden);
     }
   });
 }
 
-void gather_forward(const at::Tensor& hidden, const at::Tensor& positions, at::Tensor& out) {
+void gather_forward(const Tensor& hidden, const Tensor& positions, Tensor& out) {
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "landmark_gather", [&] { gather_rows<scalar_t>(hidden, positions, out); });
 }
 
-void gather_backward(const at::Tensor& grad, const at::Tensor& positions, at::Tensor& grad_hidden) {
+void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_hidden) {
   // Most rows are not landmarks, and a memset of the whole gradient is the cheapest way to write them.
-  grad_hidden.zero_();
+  torch::stable::zero_(grad_hidden);
   LMK_DISPATCH_FLOATING(grad.scalar_type(), "landmark_gather_backward", [&] {
     scatter_rows<scalar_t>(grad, positions, grad_hidden);
   });

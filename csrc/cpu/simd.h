@@ -13,6 +13,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "common/kernel_types.h"
+
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #endif
@@ -24,10 +26,6 @@ constexpr int kVectorBytes = 64;
 #else
 constexpr int kVectorBytes = 32;
 #endif
-
-// Sums and products of half, bfloat16 and float run in float; of double in double.
-template <typename scalar_t>
-using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
 // The signed integer as wide as T (positions kept beside values, lane for lane).
 template <typename T>

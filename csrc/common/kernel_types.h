@@ -1,0 +1,86 @@
+#pragma once
+// What the kernels take, written once for either tensor type: PyTorch's stable-ABI tensor (torch::stable::Tensor),
+// which the CPU kernels use (cpu/kernel_types.h), or ATen's, which the op layer and the CUDA kernels use until they
+// move to the stable ABI too (ops/kernels.h, common/row_selection.h). Kernels trust their inputs: the ops check
+// them first. B, L, D > 0 unless a line says otherwise. Output tensors come allocated; kernels write their elements.
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+namespace lmk_ops {
+
+// Sums and products of half, bfloat16 and float run in float; of double in double.
+template <typename scalar_t>
+using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+// Which rows of each text an op reduces; produced by the input checks, consumed by the kernels. Every row (all
+// undefined), the rows where a contiguous bool [B, L] mask is true, the rows listed in contiguous int64 [B, K]
+// positions (-1 entries skipped; the others checked to lie in [0, L); a repeated position counts as often as it is
+// listed), or runs: text b's rows are [starts[b], starts[b] + lengths[b]) (contiguous int64 [B]; a packed batch's
+// texts, every row selected; on CPU only, where listing them would cost more than the reduction's share of a pass,
+// so PackedBatch::selection gives this form on CPU alone).
+template <typename TensorT>
+struct RowSelectionOf {
+  TensorT mask;
+  TensorT positions;
+  TensorT starts, lengths;
+};
+
+// The rows attention pooling reads and writes. Padded: listed.mask is the valid mask [B, L] (undefined: every row),
+// valid the same, text_of_row undefined. Packed (hidden a [B, T, D] view with batch stride 0, common/packed.h):
+// listed.positions lists each text's valid rows as absolute rows, valid marks the valid rows [T] (undefined: all),
+// text_of_row [T] (int64) names each row's text, and the per-row tensors (weights [H, T], grad_weights [H, T],
+// grad_hidden [T, D]) have no batch dimension.
+template <typename TensorT>
+struct AttentionRowsOf {
+  RowSelectionOf<TensorT> listed;
+  TensorT valid;
+  TensorT text_of_row;
+
+  bool packed() const {
+    return text_of_row.defined();
+  }
+};
+
+// The kernel table of one device (for the CPU, of one capability).
+template <typename TensorT>
+struct KernelsOf {
+  using Tensor = TensorT;
+  using RowSelection = RowSelectionOf<TensorT>;
+  using AttentionRows = AttentionRowsOf<TensorT>;
+
+  // Checks that every value of int64 values [rows, cols] (contiguous) lies in [lo, hi]. Else: "<expected>, got V at
+  // [r, c]" (with landmarks: "<expected>, got V in row r (landmarks[r, c])") for the first value outside, raised at
+  // once on the CPU, and on CUDA printed by a device-side assertion, without synchronising.
+  void (*check_range)(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, bool landmarks);
+  // hidden [B, L, D] with any strides; out [B, D] contiguous, in hidden's dtype or in its accumulation type
+  // (float32, float64 for float64), which keeps the mean unrounded for a normalisation that follows.
+  void (*mean_forward)(const Tensor& hidden, const RowSelection& rows, Tensor& out);
+  // As mean_forward with out in hidden's dtype, plus argmax [B, D] contiguous int32 (-1 for a text with no row).
+  void (*max_forward)(const Tensor& hidden, const RowSelection& rows, Tensor& out, Tensor& argmax);
+  // scaled [B, D] contiguous in the accumulation type of grad_hidden's dtype (the gradient divided by each text's
+  // row count); grad_hidden [B, L, D] contiguous, every row written: scaled[b] times how often the row is selected.
+  void (*mean_backward)(const Tensor& scaled, const RowSelection& rows, Tensor& grad_hidden);
+  // grad [B, D] contiguous, argmax [B, D] contiguous int32; grad_hidden [B, L, D] contiguous, every row written.
+  void (*max_backward)(const Tensor& grad, const Tensor& argmax, Tensor& grad_hidden);
+  // positions [B, K] contiguous int64 (-1 or in [0, L)); out [B, K, D] contiguous, zero rows for -1. K may be 0.
+  void (*gather_forward)(const Tensor& hidden, const Tensor& positions, Tensor& out);
+  // grad [B, K, D] contiguous; every row of grad_hidden [B, L, D] (contiguous) written: the sum of the grad rows
+  // listing it, in k order in the accumulation type, rounded once (zero when none does).
+  void (*gather_backward)(const Tensor& grad, const Tensor& positions, Tensor& grad_hidden);
+  // Attention pooling. hidden [B, L, D] with any strides; rows as AttentionRows says (bool tensors contiguous);
+  // query [H, D / H] contiguous in the accumulation type. Writes every element of out [B, D] (hidden's dtype), the
+  // softmax statistics stats [B, H, 2] (float64 {max score, sum of exp(score - max)}) of every text with a valid
+  // row (the caller fills them with -inf first) and, when weights ([B, H, L], packed [H, T]; accumulation type,
+  // zero-filled, contiguous) is defined, the probabilities of the valid rows.
+  void (*attention_forward)(const Tensor& hidden, const AttentionRows& rows, const Tensor& query,
+                            double scale, Tensor& out, Tensor& stats, Tensor& weights);
+  // grad [B, D], grad_weights (shaped as the weights, or undefined) and out [B, D] (the forward's output)
+  // contiguous in the accumulation type; stats as the forward wrote them. Writes every element of grad_hidden
+  // ([B, L, D], packed [T, D]; hidden's dtype, contiguous) and of grad_query [H, D / H] (accumulation type).
+  void (*attention_backward)(const Tensor& grad, const Tensor& grad_weights, const Tensor& hidden,
+                             const AttentionRows& rows, const Tensor& query, const Tensor& out,
+                             const Tensor& stats, double scale, Tensor& grad_hidden, Tensor& grad_query);
+};
+
+}  // namespace lmk_ops

@@ -1,8 +1,10 @@
 #pragma once
 // What the kernels take, written once for either tensor type: PyTorch's stable-ABI tensor (torch::stable::Tensor),
-// which the CPU kernels use (cpu/kernel_types.h), or ATen's, which the op layer and the CUDA kernels use until they
-// move to the stable ABI too (ops/kernels.h, common/row_selection.h). Kernels trust their inputs: the ops check
+// which the kernels of every device take (stable_abi below), or ATen's, which the op layer uses until it moves to
+// the stable ABI too (ops/kernels.h, common/row_selection.h; ops/kernels.cpp adapts the one to the other). Kernels trust their inputs: the ops check
 // them first. B, L, D > 0 unless a line says otherwise. Output tensors come allocated; kernels write their elements.
+#include <torch/csrc/stable/tensor.h>
+
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -82,5 +84,14 @@ struct KernelsOf {
                              const AttentionRows& rows, const Tensor& query, const Tensor& out,
                              const Tensor& stats, double scale, Tensor& grad_hidden, Tensor& grad_query);
 };
+
+// The stable-ABI instances, which the kernels take (cpu/kernel_types.h and cuda/kernel_types.h bring them into
+// their device's namespace, where they stand for these rather than for the op layer's ATen instances).
+namespace stable_abi {
+using Tensor = torch::stable::Tensor;
+using RowSelection = RowSelectionOf<Tensor>;
+using AttentionRows = AttentionRowsOf<Tensor>;
+using Kernels = KernelsOf<Tensor>;
+}  // namespace stable_abi
 
 }  // namespace lmk_ops

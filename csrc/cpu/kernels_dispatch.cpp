@@ -1,6 +1,4 @@
-// The CPU kernel table: the best capability this CPU runs, behind an adapter from the op layer's ATen tensors.
-#include <torch/csrc/inductor/aoti_torch/utils.h>
-
+// The CPU kernel table: that of the best capability this CPU runs.
 #include <cstdlib>
 #include <string>
 
@@ -70,68 +68,10 @@ const Choice& choice() {
   return c;
 }
 
-const Kernels& chosen() {
-  return *choice().kernels;
-}
-
-// An ATen tensor as a stable-ABI one (the same tensor, one more reference). The CPU kernels are on the stable ABI
-// and the op layer not yet (issue 14); this adapter, the one place the two meet, goes when the op layer moves too.
-Tensor stable(const at::Tensor& t) {
-  return Tensor(torch::aot_inductor::new_tensor_handle(at::Tensor(t)));
-}
-RowSelection stable(const lmk_ops::RowSelection& r) {
-  return {stable(r.mask), stable(r.positions), stable(r.starts), stable(r.lengths)};
-}
-AttentionRows stable(const lmk_ops::AttentionRows& r) {
-  return {stable(r.listed), stable(r.valid), stable(r.text_of_row)};
-}
 }  // namespace
 
-const lmk_ops::Kernels& kernels() {
-  using lmk_ops::AttentionRows;  // the ATen forms, as the op layer passes them
-  using lmk_ops::RowSelection;
-  static const lmk_ops::Kernels adapter{
-      [](const at::Tensor& values, int64_t lo, int64_t hi, const std::string& expected, bool landmarks) {
-        chosen().check_range(stable(values), lo, hi, expected, landmarks);
-      },
-      [](const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out) {
-        Tensor o = stable(out);
-        chosen().mean_forward(stable(hidden), stable(rows), o);
-      },
-      [](const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out, at::Tensor& argmax) {
-        Tensor o = stable(out), a = stable(argmax);
-        chosen().max_forward(stable(hidden), stable(rows), o, a);
-      },
-      [](const at::Tensor& scaled, const RowSelection& rows, at::Tensor& grad_hidden) {
-        Tensor g = stable(grad_hidden);
-        chosen().mean_backward(stable(scaled), stable(rows), g);
-      },
-      [](const at::Tensor& grad, const at::Tensor& argmax, at::Tensor& grad_hidden) {
-        Tensor g = stable(grad_hidden);
-        chosen().max_backward(stable(grad), stable(argmax), g);
-      },
-      [](const at::Tensor& hidden, const at::Tensor& positions, at::Tensor& out) {
-        Tensor o = stable(out);
-        chosen().gather_forward(stable(hidden), stable(positions), o);
-      },
-      [](const at::Tensor& grad, const at::Tensor& positions, at::Tensor& grad_hidden) {
-        Tensor g = stable(grad_hidden);
-        chosen().gather_backward(stable(grad), stable(positions), g);
-      },
-      [](const at::Tensor& hidden, const AttentionRows& rows, const at::Tensor& query, double scale, at::Tensor& out,
-         at::Tensor& stats, at::Tensor& weights) {
-        Tensor o = stable(out), s = stable(stats), w = stable(weights);
-        chosen().attention_forward(stable(hidden), stable(rows), stable(query), scale, o, s, w);
-      },
-      [](const at::Tensor& grad, const at::Tensor& grad_weights, const at::Tensor& hidden, const AttentionRows& rows,
-         const at::Tensor& query, const at::Tensor& out, const at::Tensor& stats, double scale,
-         at::Tensor& grad_hidden, at::Tensor& grad_query) {
-        Tensor gh = stable(grad_hidden), gq = stable(grad_query);
-        chosen().attention_backward(stable(grad), stable(grad_weights), stable(hidden), stable(rows), stable(query),
-                                    stable(out), stable(stats), scale, gh, gq);
-      },
-  };
-  return adapter;
+const Kernels& kernels() {
+  return *choice().kernels;
 }
 
 const std::string& kernels_capability() {

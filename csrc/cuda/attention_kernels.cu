@@ -16,8 +16,6 @@
 // chunk order (S = sum p e, and the text's share of the query gradient), and a deterministic reduction adds the
 // shares over the texts; a last one writes every row of grad_hidden, p g + scale p (e - S) q or zeros, without
 // reading hidden again.
-#include <ATen/ops/empty.h>
-#include <ATen/ops/sum.h>
 
 #include <algorithm>
 #include <limits>
@@ -602,81 +600,82 @@ void with_head_layout(const HeadLayout& layout, const Body& body) {
 // chunking and the head layout (the backward must use the forward's layout to recompute its scores bit for bit).
 struct Plan {
   int64_t batch, seq_len, dim, heads, head_dim;
-  at::Tensor hidden;
+  Tensor hidden;
   RowList list;
   int64_t chunks;
   HeadLayout layout;
-  at::TensorOptions wide;  // the accumulation type, on hidden's device
+  ScalarType wide;  // the accumulation type
 };
 
 // A head wider than kMaxHeadPacks features on the strided path (rows not contiguous or not 16-byte aligned) is read
 // from an aligned contiguous copy, which holds it in packs; the widest head is then kMaxHeadPacks packs.
 template <typename scalar_t>
-Plan make_plan(const at::Tensor& hidden, const at::Tensor& valid, const at::Tensor& query) {
+Plan make_plan(const Tensor& hidden, const Tensor& valid, const Tensor& query) {
   constexpr int kWidest = 16 / sizeof(scalar_t);
   const int64_t batch = hidden.size(0), seq_len = hidden.size(1), heads = query.size(0), head_dim = query.size(1);
-  at::Tensor source = hidden;
+  Tensor source = hidden;
   int vec = vector_width<scalar_t>(hidden, head_dim);
   if (vec == 1 && head_dim > kMaxHeadPacks && head_dim % kWidest == 0) {
-    source = hidden.clone(at::MemoryFormat::Contiguous);
+    source = scratch(hidden, hidden.sizes(), hidden.scalar_type());
+    torch::stable::copy_(source, hidden);
     vec = vector_width<scalar_t>(source, head_dim);
   }
   LMK_CHECK(
       head_dim / vec <= kMaxHeadPacks, "lmk_ops.attention_pool: on CUDA a head is at most ",
-      kMaxHeadPacks * kWidest, " features wide in ", c10::toString(hidden.scalar_type()), " (", kMaxHeadPacks,
+      kMaxHeadPacks * kWidest, " features wide in ", torch::headeronly::toString(hidden.scalar_type()), " (", kMaxHeadPacks,
       " when its width is not a multiple of ", kWidest, "), got ", head_dim);
   RowList list = select_valid(valid, batch, seq_len);
   const int64_t chunks = std::max<int64_t>(1, ceil_div(list.upper, kChunkRows));
   return {batch, seq_len, hidden.size(2), heads, head_dim, source, std::move(list), chunks,
-          head_layout(vec, heads, head_dim), hidden.options().dtype(at::toOpMathType(hidden.scalar_type()))};
+          head_layout(vec, heads, head_dim), acc_dtype(hidden.scalar_type())};
 }
 
 template <typename scalar_t>
-void forward_typed(const at::Tensor& hidden_in, const at::Tensor& valid, const at::Tensor& query, double scale,
-                   at::Tensor& out, at::Tensor& stats, at::Tensor& weights) {
+void forward_typed(const Tensor& hidden_in, const Tensor& valid, const Tensor& query, double scale,
+                   Tensor& out, Tensor& stats, Tensor& weights) {
   using acc = acc_t<scalar_t>;
   const Plan plan = make_plan<scalar_t>(hidden_in, valid, query);
   const auto& [batch, seq_len, dim, heads, head_dim, hidden, list, chunks, layout, wide] = plan;
-  at::Tensor part_max, part_sum, part_out;
+  Tensor part_max, part_sum, part_out;
   if (chunks > 1) {
-    part_max = at::empty({batch, chunks, heads}, wide);
-    part_sum = at::empty({batch, chunks, heads}, wide);
-    part_out = at::empty({batch, chunks, dim}, wide);
+    part_max = scratch(hidden, {batch, chunks, heads}, wide);
+    part_sum = scratch(hidden, {batch, chunks, heads}, wide);
+    part_out = scratch(hidden, {batch, chunks, dim}, wide);
   }
-  const auto data = [](at::Tensor& t) { return t.defined() ? t.data_ptr<acc>() : nullptr; };
+  const auto data = [](Tensor& t) { return t.defined() ? t.mutable_data_ptr<acc>() : nullptr; };
   with_head_layout<scalar_t>(layout, [&]<int VEC, int P>() {
     const size_t shared = layout.row_lanes > 1 ? size_t{kThreads} * (P * VEC + 2) * sizeof(acc) : 0;
     attention_chunks<scalar_t, VEC, P>
         <<<checked_blocks(batch * chunks * layout.tiles), dim3(layout.lanes, layout.row_lanes), shared, stream()>>>(
             hidden.const_data_ptr<scalar_t>(), hidden.stride(0), hidden.stride(1), hidden.stride(2), list.view(),
-            query.const_data_ptr<acc>(), static_cast<acc>(scale), heads, layout, chunks, out.data_ptr<scalar_t>(),
-            stats.data_ptr<double>(), data(weights), data(part_max), data(part_sum), data(part_out));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+            query.const_data_ptr<acc>(), static_cast<acc>(scale), heads, layout, chunks, out.mutable_data_ptr<scalar_t>(),
+            stats.mutable_data_ptr<double>(), data(weights), data(part_max), data(part_sum), data(part_out));
+    check_launch();
   });
   if (chunks > 1) {
     attention_combine<scalar_t><<<ceil_div(batch * dim, kThreads), kThreads, 0, stream()>>>(
         data(part_max), data(part_sum), data(part_out), list.view(), batch, heads, head_dim, chunks,
-        out.data_ptr<scalar_t>(), stats.data_ptr<double>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+        out.mutable_data_ptr<scalar_t>(), stats.mutable_data_ptr<double>());
+    check_launch();
   }
   if (weights.defined()) {
     scores_to_weights<acc><<<ceil_div(batch * heads * list.upper, kThreads), kThreads, 0, stream()>>>(
-        weights.data_ptr<acc>(), stats.const_data_ptr<double>(), list.view(), batch, heads, list.upper);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+        weights.mutable_data_ptr<acc>(), stats.const_data_ptr<double>(), list.view(), batch, heads, list.upper);
+    check_launch();
   }
 }
 
 template <typename scalar_t>
-void backward_typed(const at::Tensor& grad, const at::Tensor& grad_weights, const at::Tensor& hidden_in,
-                    const at::Tensor& valid, const at::Tensor& query, const at::Tensor& out, const at::Tensor& stats,
-                    double scale, at::Tensor& grad_hidden, at::Tensor& grad_query) {
+void backward_typed(const Tensor& grad, const Tensor& grad_weights, const Tensor& hidden_in,
+                    const Tensor& valid, const Tensor& query, const Tensor& out, const Tensor& stats,
+                    double scale, Tensor& grad_hidden, Tensor& grad_query) {
   using acc = acc_t<scalar_t>;
   const Plan plan = make_plan<scalar_t>(hidden_in, valid, query);
   const auto& [batch, seq_len, dim, heads, head_dim, hidden, list, chunks, layout, wide] = plan;
-  at::Tensor prob = at::empty({batch, heads, seq_len}, wide), err = at::empty({batch, heads, seq_len}, wide);
-  at::Tensor part_pe = at::empty({batch, chunks, heads}, wide);
-  at::Tensor part_pex = at::empty({batch, chunks, dim}, wide), part_px = at::empty({batch, chunks, dim}, wide);
-  at::Tensor text_sums = at::empty({batch, heads}, wide), query_shares = at::empty({batch, dim}, wide);
+  Tensor prob = scratch(hidden, {batch, heads, seq_len}, wide), err = scratch(hidden, {batch, heads, seq_len}, wide);
+  Tensor part_pe = scratch(hidden, {batch, chunks, heads}, wide);
+  Tensor part_pex = scratch(hidden, {batch, chunks, dim}, wide), part_px = scratch(hidden, {batch, chunks, dim}, wide);
+  Tensor text_sums = scratch(hidden, {batch, heads}, wide), query_shares = scratch(hidden, {batch, dim}, wide);
   const acc wide_scale = static_cast<acc>(scale);
   with_head_layout<scalar_t>(layout, [&]<int VEC, int P>() {
     const size_t shared = layout.row_lanes > 1 ? size_t{kThreads} * (2 * P * VEC + 1) * sizeof(acc) : 0;
@@ -685,44 +684,44 @@ void backward_typed(const at::Tensor& grad, const at::Tensor& grad_weights, cons
             hidden.const_data_ptr<scalar_t>(), hidden.stride(0), hidden.stride(1), hidden.stride(2), list.view(),
             query.const_data_ptr<acc>(), wide_scale, heads, layout, chunks, grad.const_data_ptr<acc>(),
             grad_weights.defined() ? grad_weights.const_data_ptr<acc>() : nullptr, out.const_data_ptr<acc>(),
-            stats.const_data_ptr<double>(), prob.data_ptr<acc>(), err.data_ptr<acc>(), part_pe.data_ptr<acc>(),
-            part_pex.data_ptr<acc>(), part_px.data_ptr<acc>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+            stats.const_data_ptr<double>(), prob.mutable_data_ptr<acc>(), err.mutable_data_ptr<acc>(), part_pe.mutable_data_ptr<acc>(),
+            part_pex.mutable_data_ptr<acc>(), part_px.mutable_data_ptr<acc>());
+    check_launch();
   });
   attention_text_sums<acc><<<ceil_div(batch * dim, kThreads), kThreads, 0, stream()>>>(
       part_pe.const_data_ptr<acc>(), part_pex.const_data_ptr<acc>(), part_px.const_data_ptr<acc>(), list.view(),
-      batch, heads, head_dim, chunks, wide_scale, text_sums.data_ptr<acc>(), query_shares.data_ptr<acc>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  at::Tensor flat_grad_query = grad_query.view({dim});
-  at::sum_out(flat_grad_query, query_shares, {0});
+      batch, heads, head_dim, chunks, wide_scale, text_sums.mutable_data_ptr<acc>(), query_shares.mutable_data_ptr<acc>());
+  check_launch();
+  Tensor flat_grad_query = torch::stable::view(grad_query, {dim});
+  torch::stable::sum_out(flat_grad_query, query_shares, torch::headeronly::IntHeaderOnlyArrayRef({int64_t{0}}));
   int vec = vector_width<scalar_t>(grad_hidden, head_dim);
   vec = packs_fit(grad, vec) && packs_fit(query, vec) ? vec : 1;
   with_vector_width<scalar_t>(vec, [&]<int VEC>() {
     attention_grad_rows<scalar_t, VEC><<<grid_for(batch * seq_len, kWarpsPerBlock), kThreads, 0, stream()>>>(
         valid.defined() ? valid.const_data_ptr<bool>() : nullptr, prob.const_data_ptr<acc>(),
         err.const_data_ptr<acc>(), text_sums.const_data_ptr<acc>(), grad.const_data_ptr<acc>(),
-        query.const_data_ptr<acc>(), wide_scale, batch, seq_len, heads, head_dim, grad_hidden.data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+        query.const_data_ptr<acc>(), wide_scale, batch, seq_len, heads, head_dim, grad_hidden.mutable_data_ptr<scalar_t>());
+    check_launch();
   });
 }
 
 }  // namespace
 
 // Padded batches only: the op layer pads a packed batch before it comes here (ops/attention_ops.cpp).
-void attention_forward(const at::Tensor& hidden, const AttentionRows& rows, const at::Tensor& query, double scale,
-                       at::Tensor& out, at::Tensor& stats, at::Tensor& weights) {
+void attention_forward(const Tensor& hidden, const AttentionRows& rows, const Tensor& query, double scale,
+                       Tensor& out, Tensor& stats, Tensor& weights) {
   LMK_CHECK(!rows.packed(), "lmk_ops: the CUDA attention kernels take padded batches");
-  const c10::cuda::CUDAGuard guard(hidden.device());
+  const auto guard = on_device_of(hidden);
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "attention_pool", [&] {
     forward_typed<scalar_t>(hidden, rows.listed.mask, query, scale, out, stats, weights);
   });
 }
 
-void attention_backward(const at::Tensor& grad, const at::Tensor& grad_weights, const at::Tensor& hidden,
-                        const AttentionRows& rows, const at::Tensor& query, const at::Tensor& out,
-                        const at::Tensor& stats, double scale, at::Tensor& grad_hidden, at::Tensor& grad_query) {
+void attention_backward(const Tensor& grad, const Tensor& grad_weights, const Tensor& hidden,
+                        const AttentionRows& rows, const Tensor& query, const Tensor& out,
+                        const Tensor& stats, double scale, Tensor& grad_hidden, Tensor& grad_query) {
   LMK_CHECK(!rows.packed(), "lmk_ops: the CUDA attention kernels take padded batches");
-  const c10::cuda::CUDAGuard guard(hidden.device());
+  const auto guard = on_device_of(hidden);
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "attention_pool_backward", [&] {
     backward_typed<scalar_t>(grad, grad_weights, hidden, rows.listed.mask, query, out, stats, scale, grad_hidden,
                              grad_query);

@@ -1,16 +1,14 @@
 #pragma once
-// The CUDA attention pooling kernels (attention_kernels.cu); documented in ops/kernels.h.
-#include <ATen/core/Tensor.h>
-
-#include "ops/kernels.h"
+// The CUDA attention pooling kernels (attention_kernels.cu); documented in common/kernel_types.h.
+#include "cuda/kernel_types.h"
 
 namespace lmk_ops::cuda {
 
-void attention_forward(const at::Tensor& hidden, const AttentionRows& rows, const at::Tensor& query, double scale,
-                       at::Tensor& out, at::Tensor& stats, at::Tensor& weights);
+void attention_forward(const Tensor& hidden, const AttentionRows& rows, const Tensor& query, double scale,
+                       Tensor& out, Tensor& stats, Tensor& weights);
 
-void attention_backward(const at::Tensor& grad, const at::Tensor& grad_weights, const at::Tensor& hidden,
-                        const AttentionRows& rows, const at::Tensor& query, const at::Tensor& out,
-                        const at::Tensor& stats, double scale, at::Tensor& grad_hidden, at::Tensor& grad_query);
+void attention_backward(const Tensor& grad, const Tensor& grad_weights, const Tensor& hidden,
+                        const AttentionRows& rows, const Tensor& query, const Tensor& out,
+                        const Tensor& stats, double scale, Tensor& grad_hidden, Tensor& grad_query);
 
 }  // namespace lmk_ops::cuda

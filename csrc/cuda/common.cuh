@@ -8,23 +8,51 @@
 // order. Short batches of long texts still fill the GPU (8 x 8192 rows make 512 chunks), nothing is added with
 // atomics, and the order of every addition depends only on the text's own selected rows and on D: the same input
 // gives the same bits, and a text gives the same bits alone or in a batch, padded on either side.
-#include <ATen/OpMathType.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>  // its CUDA part (the current stream) needs USE_CUDA: CMakeLists
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
 #include "common/error.h"
-#include "common/row_selection.h"
+#include "cuda/kernel_types.h"
 
 namespace lmk_ops::cuda {
 
-template <typename scalar_t>
-using acc_t = at::opmath_type<scalar_t>;
+using ScalarType = torch::headeronly::ScalarType;
+
+// The accumulation dtype of a floating dtype (acc_t's).
+inline ScalarType acc_dtype(ScalarType t) {
+  return t == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
+}
+
+// Scratch tensors on like's device: uninitialised, zeros, or every element `value`.
+inline Tensor scratch(const Tensor& like, torch::headeronly::IntHeaderOnlyArrayRef sizes, ScalarType dtype) {
+  return torch::stable::new_empty(like, sizes, dtype);
+}
+inline Tensor zeros_on(const Tensor& like, torch::headeronly::IntHeaderOnlyArrayRef sizes, ScalarType dtype) {
+  return torch::stable::new_zeros(like, sizes, dtype);
+}
+inline Tensor full_on(const Tensor& like, torch::headeronly::IntHeaderOnlyArrayRef sizes, int64_t value,
+                      ScalarType dtype) {
+  return torch::stable::fill_(scratch(like, sizes, dtype), static_cast<double>(value));  // exact below 2^53
+}
+
+// Makes t's device current for the guard's lifetime.
+inline torch::stable::accelerator::DeviceGuard on_device_of(const Tensor& t) {
+  return torch::stable::accelerator::DeviceGuard(t.get_device_index());
+}
+
+// Raises the error of the last kernel launch, if any (as C10_CUDA_KERNEL_LAUNCH_CHECK does).
+inline void check_launch() {
+  const cudaError_t error = cudaGetLastError();
+  LMK_CHECK(error == cudaSuccess, "lmk_ops: a CUDA kernel failed to launch: ", cudaGetErrorString(error));
+}
 
 // Threads of every block. Kernels that take whole blocks of it say so with __launch_bounds__(kThreads), so that
 // ptxas keeps them within the registers a block of this size may use (a launch never fails for resources).
@@ -89,7 +117,7 @@ __device__ __forceinline__ void store_features(scalar_t* row, int64_t v, const a
 // contiguous features, and unit (a head's width; 1 for no constraint beyond the row) is whole packs; else 1. Two
 // widths, not four: each kernel is instantiated twice per dtype.
 template <typename scalar_t>
-int vector_width(const at::Tensor& t, int64_t unit) {
+int vector_width(const Tensor& t, int64_t unit) {
   constexpr int kWidest = 16 / sizeof(scalar_t);
   const int64_t rank = t.dim();
   bool ok = t.stride(rank - 1) == 1 && t.size(rank - 1) % kWidest == 0 && unit % kWidest == 0 &&
@@ -101,7 +129,7 @@ int vector_width(const at::Tensor& t, int64_t unit) {
 }
 
 // Whether t (contiguous) can be read as packs of vec elements by load_pack: 16-byte aligned, whole packs per row.
-inline bool packs_fit(const at::Tensor& t, int vec) {
+inline bool packs_fit(const Tensor& t, int vec) {
   return vec == 1 || (t.is_contiguous() && t.size(-1) % vec == 0 &&
                       reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0);
 }
@@ -140,8 +168,8 @@ struct SelectedRows {
 // `upper` is the most rows a text can have (no synchronisation is needed to size the grid: blocks past a text's
 // count return at once).
 struct RowList {
-  at::Tensor order;  // int64 [B, width], or undefined for every row
-  at::Tensor count;  // int64 [B], or undefined for every row
+  Tensor order;  // int64 [B, width], or undefined for every row
+  Tensor count;  // int64 [B], or undefined for every row
   int64_t upper;
   int64_t seq_len;
 
@@ -154,8 +182,8 @@ struct RowList {
 
 RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_len);
 // A bool mask [B, L] (or undefined for every row) as a RowList.
-inline RowList select_valid(const at::Tensor& valid, int64_t batch, int64_t seq_len) {
-  return select_rows(RowSelection{valid, at::Tensor()}, batch, seq_len);
+inline RowList select_valid(const Tensor& valid, int64_t batch, int64_t seq_len) {
+  return select_rows(RowSelection{valid, Tensor(), Tensor(), Tensor()}, batch, seq_len);
 }
 
 // The sum of x over a segment of `seg` adjacent lanes of a warp (seg a power of two up to 32), in every lane of the
@@ -189,15 +217,37 @@ __device__ __forceinline__ void for_each_warp_row(int64_t rows, const Body& body
   }
 }
 
+// The current device's multiprocessor count, asked once per device.
+inline int multiprocessors() {
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices] = {};
+  int device = 0;
+  LMK_CHECK(cudaGetDevice(&device) == cudaSuccess, "lmk_ops: no current CUDA device");
+  int count = device < kDevices ? known[device].load(std::memory_order_relaxed) : 0;
+  if (count == 0) {
+    LMK_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess,
+              "lmk_ops: cannot read CUDA device ", device, "'s multiprocessor count");
+    if (device < kDevices) {
+      known[device].store(count, std::memory_order_relaxed);
+    }
+  }
+  return count;
+}
+
 // Blocks for `items` units of work at per_block a block (warps or threads), at most a few waves: grid-stride
 // kernels loop over the rest.
 inline int64_t grid_for(int64_t items, int64_t per_block) {
-  const int64_t resident = int64_t{at::cuda::getCurrentDeviceProperties()->multiProcessorCount} * 8;
+  const int64_t resident = int64_t{multiprocessors()} * 8;
   return std::max<int64_t>(1, std::min(ceil_div(items, per_block), resident * 4));
 }
 
+// The current device's stream, as torch's CUDA ops use it (through the C shim: its index and handle are stable).
 inline cudaStream_t stream() {
-  return at::cuda::getCurrentCUDAStream();
+  void* handle = nullptr;
+  LMK_CHECK(aoti_torch_get_current_cuda_stream(torch::stable::accelerator::getCurrentDeviceIndex(), &handle) ==
+                AOTI_TORCH_SUCCESS,
+            "lmk_ops: torch gave no current CUDA stream");
+  return static_cast<cudaStream_t>(handle);
 }
 
 }  // namespace lmk_ops::cuda

@@ -8,7 +8,6 @@
 // blocks), and the order of every addition still depends only on D and on the text's own rows. A text with one
 // chunk is finished by that block; longer texts leave per-chunk partial results that a second kernel combines in
 // chunk order.
-#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <limits>
@@ -193,21 +192,20 @@ __global__ void combine_chunks(const partial_t<kMax, scalar_t>* partial, const i
 }
 
 template <bool kMax, typename scalar_t, typename out_t>
-void pool_forward(const at::Tensor& hidden, const RowSelection& selection, at::Tensor& out, at::Tensor* argmax) {
+void pool_forward(const Tensor& hidden, const RowSelection& selection, Tensor& out, Tensor* argmax) {
   const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
   const RowList list = select_rows(selection, batch, seq_len);
   const int64_t chunks = std::max<int64_t>(1, ceil_div(list.upper, kChunkRows));
-  at::Tensor partial, partial_where;
+  Tensor partial, partial_where;
   if (chunks > 1) {
-    partial = at::empty({batch, chunks, dim},
-                        hidden.options().dtype(kMax ? at::toOpMathType(hidden.scalar_type()) : at::kDouble));
+    partial = scratch(hidden, {batch, chunks, dim}, kMax ? acc_dtype(hidden.scalar_type()) : ScalarType::Double);
     if (kMax) {
-      partial_where = at::empty({batch, chunks, dim}, hidden.options().dtype(at::kInt));
+      partial_where = scratch(hidden, {batch, chunks, dim}, ScalarType::Int);
     }
   }
-  auto* argmax_data = kMax ? argmax->data_ptr<int32_t>() : nullptr;
-  auto* partial_data = partial.defined() ? partial.data_ptr<partial_t<kMax, scalar_t>>() : nullptr;
-  auto* partial_where_data = partial_where.defined() ? partial_where.data_ptr<int32_t>() : nullptr;
+  auto* argmax_data = kMax ? argmax->mutable_data_ptr<int32_t>() : nullptr;
+  auto* partial_data = partial.defined() ? partial.mutable_data_ptr<partial_t<kMax, scalar_t>>() : nullptr;
+  auto* partial_where_data = partial_where.defined() ? partial_where.mutable_data_ptr<int32_t>() : nullptr;
   with_vector_width<scalar_t>(vector_width<scalar_t>(hidden, 1), [&]<int VEC>() {
     const int64_t packs = dim / VEC;
     const int lanes = kFeatureLanes, row_lanes = kThreads / kFeatureLanes;
@@ -220,20 +218,20 @@ void pool_forward(const at::Tensor& hidden, const RowSelection& selection, at::T
         row_lanes > 1 ? size_t{kThreads} * VEC * (sizeof(value_t<kMax, scalar_t>) + (kMax ? sizeof(int64_t) : 0)) : 0;
     pool_chunks<kMax, scalar_t, out_t, VEC><<<blocks, dim3(lanes, row_lanes), shared, stream()>>>(
         hidden.const_data_ptr<scalar_t>(), hidden.stride(0), hidden.stride(1), hidden.stride(2), list.view(), dim,
-        chunks, tiles, out.data_ptr<out_t>(), argmax_data, partial_data, partial_where_data);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+        chunks, tiles, out.mutable_data_ptr<out_t>(), argmax_data, partial_data, partial_where_data);
+    check_launch();
   });
   if (chunks > 1) {
     combine_chunks<kMax, scalar_t, out_t><<<ceil_div(batch * dim, kThreads), kThreads, 0, stream()>>>(
-        partial_data, partial_where_data, list.view(), batch, dim, chunks, out.data_ptr<out_t>(), argmax_data);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+        partial_data, partial_where_data, list.view(), batch, dim, chunks, out.mutable_data_ptr<out_t>(), argmax_data);
+    check_launch();
   }
 }
 
 }  // namespace
 
-void mean_forward(const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out) {
-  const c10::cuda::CUDAGuard guard(hidden.device());
+void mean_forward(const Tensor& hidden, const RowSelection& rows, Tensor& out) {
+  const auto guard = on_device_of(hidden);
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "mean_pool", [&] {
     if (out.scalar_type() == hidden.scalar_type()) {
       pool_forward<false, scalar_t, scalar_t>(hidden, rows, out, nullptr);
@@ -243,8 +241,8 @@ void mean_forward(const at::Tensor& hidden, const RowSelection& rows, at::Tensor
   });
 }
 
-void max_forward(const at::Tensor& hidden, const RowSelection& rows, at::Tensor& out, at::Tensor& argmax) {
-  const c10::cuda::CUDAGuard guard(hidden.device());
+void max_forward(const Tensor& hidden, const RowSelection& rows, Tensor& out, Tensor& argmax) {
+  const auto guard = on_device_of(hidden);
   LMK_DISPATCH_FLOATING(
       hidden.scalar_type(), "max_pool", [&] { pool_forward<true, scalar_t, scalar_t>(hidden, rows, out, &argmax); });
 }

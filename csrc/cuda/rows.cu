@@ -1,9 +1,6 @@
 // Row listing (select_rows), value checks on the device, and the CUDA kernels that write whole rows: the mean and
 // max backward, landmark gather and its backward. A warp owns a row: it learns what the row needs (how often it is
 // selected, which gradient rows list it), then writes it once with 16-byte stores where the row is aligned.
-#include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cassert>
@@ -139,18 +136,18 @@ __global__ void __launch_bounds__(kThreads) list_segments(Entries entries, int64
 }
 
 template <typename Entries>
-void list_entries(const Entries& entries, int64_t batch, at::Tensor& order, at::Tensor& count) {
+void list_entries(const Entries& entries, int64_t batch, Tensor& order, Tensor& count) {
   const int64_t segments = ceil_div(entries.n, kListSegment);
-  at::Tensor counts;
+  Tensor counts;
   if (segments > 1) {
-    counts = at::empty({batch, segments}, order.options().dtype(at::kInt));
-    count_segments<<<batch * segments, kThreads, 0, stream()>>>(entries, segments, counts.data_ptr<int32_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    counts = scratch(order, {batch, segments}, ScalarType::Int);
+    count_segments<<<batch * segments, kThreads, 0, stream()>>>(entries, segments, counts.mutable_data_ptr<int32_t>());
+    check_launch();
   }
   list_segments<<<batch * segments, kThreads, 0, stream()>>>(
-      entries, segments, counts.defined() ? counts.const_data_ptr<int32_t>() : nullptr, order.data_ptr<int64_t>(),
-      count.data_ptr<int64_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+      entries, segments, counts.defined() ? counts.const_data_ptr<int32_t>() : nullptr, order.mutable_data_ptr<int64_t>(),
+      count.mutable_data_ptr<int64_t>());
+  check_launch();
 }
 
 // The first entry of values (int64 [rows, cols], flattened) outside [lo, hi], by an integer atomicMin (the result
@@ -344,18 +341,18 @@ __global__ void __launch_bounds__(kThreads) scatter_kernel(const scalar_t* grad,
 }
 
 // The inverse of positions (index_positions): times [B, L] and, with first, the first entry listing each row.
-std::pair<at::Tensor, at::Tensor> invert_positions(const at::Tensor& positions, int64_t seq_len, bool with_first) {
+std::pair<Tensor, Tensor> invert_positions(const Tensor& positions, int64_t seq_len, bool with_first) {
   const int64_t batch = positions.size(0), listed = positions.size(1);
   LMK_CHECK(listed <= std::numeric_limits<int32_t>::max(), "lmk_ops: at most 2^31 - 1 landmark positions per "
               "text, got ", listed);
-  at::Tensor times = at::zeros({batch, seq_len}, positions.options().dtype(at::kInt));
-  at::Tensor first = with_first ? at::full({batch, seq_len}, listed, positions.options().dtype(at::kInt))
-                                : at::Tensor();
+  Tensor times = zeros_on(positions, {batch, seq_len}, ScalarType::Int);
+  Tensor first = with_first ? full_on(positions, {batch, seq_len}, listed, ScalarType::Int)
+                                : Tensor();
   if (batch * listed > 0) {
     index_positions<<<grid_for(batch * listed, kThreads), kThreads, 0, stream()>>>(
-        positions.const_data_ptr<int64_t>(), batch, listed, seq_len, times.data_ptr<int32_t>(),
-        with_first ? first.data_ptr<int32_t>() : nullptr);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+        positions.const_data_ptr<int64_t>(), batch, listed, seq_len, times.mutable_data_ptr<int32_t>(),
+        with_first ? first.mutable_data_ptr<int32_t>() : nullptr);
+    check_launch();
   }
   return {times, first};
 }
@@ -365,35 +362,35 @@ std::pair<at::Tensor, at::Tensor> invert_positions(const at::Tensor& positions, 
 RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_len) {
   LMK_CHECK(!selection.starts.defined(), "lmk_ops: runs of rows are a CPU form (PackedBatch::selection)");
   if (selection.mask.defined()) {
-    const at::Tensor& mask = selection.mask;
-    at::Tensor order = at::empty({batch, seq_len}, mask.options().dtype(at::kLong));
-    at::Tensor count;
+    const Tensor& mask = selection.mask;
+    Tensor order = scratch(mask, {batch, seq_len}, ScalarType::Long);
+    Tensor count;
     if (batch > 0 && seq_len > 0) {
-      count = at::empty({batch}, mask.options().dtype(at::kLong));  // written by list_entries
+      count = scratch(mask, {batch}, ScalarType::Long);  // written by list_entries
       list_entries(MaskEntries{mask.const_data_ptr<bool>(), seq_len}, batch, order, count);
     } else {
-      count = at::zeros({batch}, mask.options().dtype(at::kLong));
+      count = zeros_on(mask, {batch}, ScalarType::Long);
     }
     return {order, count, seq_len, seq_len};
   }
   if (selection.positions.defined()) {
-    const at::Tensor& positions = selection.positions;
+    const Tensor& positions = selection.positions;
     const int64_t listed = positions.size(1);
-    at::Tensor order = at::empty({batch, listed}, positions.options());
-    at::Tensor count;
+    Tensor order = scratch(positions, {batch, listed}, positions.scalar_type());
+    Tensor count;
     if (batch > 0 && listed > 0) {
-      count = at::empty({batch}, positions.options());  // written by list_entries
+      count = scratch(positions, {batch}, positions.scalar_type());  // written by list_entries
       list_entries(PositionEntries{positions.const_data_ptr<int64_t>(), listed}, batch, order, count);
     } else {
-      count = at::zeros({batch}, positions.options());
+      count = zeros_on(positions, {batch}, positions.scalar_type());
     }
     return {order, count, listed, seq_len};
   }
-  return {at::Tensor(), at::Tensor(), seq_len, seq_len};
+  return {Tensor(), Tensor(), seq_len, seq_len};
 }
 
-void check_range(const at::Tensor& values, int64_t lo, int64_t hi, const std::string& expected, bool landmarks) {
-  const c10::cuda::CUDAGuard guard(values.device());
+void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, bool landmarks) {
+  const auto guard = on_device_of(values);
   const int64_t numel = values.numel();
   if (numel == 0) {
     return;
@@ -401,20 +398,20 @@ void check_range(const at::Tensor& values, int64_t lo, int64_t hi, const std::st
   RangeMessage message{};
   expected.copy(message.expected, sizeof(message.expected) - 1);
   message.landmarks = landmarks;
-  at::Tensor first = at::full({1}, numel, values.options().dtype(at::kLong));
-  auto* first_data = reinterpret_cast<unsigned long long*>(first.data_ptr<int64_t>());
+  Tensor first = full_on(values, {1}, numel, ScalarType::Long);
+  auto* first_data = reinterpret_cast<unsigned long long*>(first.mutable_data_ptr<int64_t>());
   find_out_of_range<<<grid_for(numel, kThreads), kThreads, 0, stream()>>>(
       values.const_data_ptr<int64_t>(), numel, lo, hi, first_data);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  check_launch();
   report_out_of_range<<<1, 1, 0, stream()>>>(values.const_data_ptr<int64_t>(), numel, values.size(-1), first_data,
                                              message);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  check_launch();
 }
 
-void mean_backward(const at::Tensor& scaled, const RowSelection& rows, at::Tensor& grad_hidden) {
-  const c10::cuda::CUDAGuard guard(grad_hidden.device());
+void mean_backward(const Tensor& scaled, const RowSelection& rows, Tensor& grad_hidden) {
+  const auto guard = on_device_of(grad_hidden);
   const int64_t batch = grad_hidden.size(0), seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
-  at::Tensor times;
+  Tensor times;
   if (rows.positions.defined()) {
     times = invert_positions(rows.positions, seq_len, /*with_first=*/false).first;
   }
@@ -425,14 +422,14 @@ void mean_backward(const at::Tensor& scaled, const RowSelection& rows, at::Tenso
     vec = packs_fit(scaled, vec) ? vec : 1;
     with_vector_width<scalar_t>(vec, [&]<int VEC>() {
       mean_backward_kernel<scalar_t, VEC><<<grid_for(batch * seq_len, kWarpsPerBlock), kThreads, 0, stream()>>>(
-          scaled.const_data_ptr<acc_t<scalar_t>>(), selection, batch, seq_len, dim, grad_hidden.data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+          scaled.const_data_ptr<acc_t<scalar_t>>(), selection, batch, seq_len, dim, grad_hidden.mutable_data_ptr<scalar_t>());
+      check_launch();
     });
   });
 }
 
-void max_backward(const at::Tensor& grad, const at::Tensor& argmax, at::Tensor& grad_hidden) {
-  const c10::cuda::CUDAGuard guard(grad_hidden.device());
+void max_backward(const Tensor& grad, const Tensor& argmax, Tensor& grad_hidden) {
+  const auto guard = on_device_of(grad_hidden);
   const int64_t batch = grad_hidden.size(0), seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
   LMK_DISPATCH_FLOATING(grad_hidden.scalar_type(), "max_pool_backward", [&] {
     int vec = vector_width<scalar_t>(grad_hidden, 1);
@@ -440,14 +437,14 @@ void max_backward(const at::Tensor& grad, const at::Tensor& argmax, at::Tensor& 
     with_vector_width<scalar_t>(vec, [&]<int VEC>() {
       max_backward_kernel<scalar_t, VEC><<<grid_for(batch * seq_len, kWarpsPerBlock), kThreads, 0, stream()>>>(
           grad.const_data_ptr<scalar_t>(), argmax.const_data_ptr<int32_t>(), batch, seq_len, dim,
-          grad_hidden.data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+          grad_hidden.mutable_data_ptr<scalar_t>());
+      check_launch();
     });
   });
 }
 
-void gather_forward(const at::Tensor& hidden, const at::Tensor& positions, at::Tensor& out) {
-  const c10::cuda::CUDAGuard guard(hidden.device());
+void gather_forward(const Tensor& hidden, const Tensor& positions, Tensor& out) {
+  const auto guard = on_device_of(hidden);
   const int64_t batch = out.size(0), listed = out.size(1), dim = out.size(2);
   if (out.numel() == 0) {
     return;
@@ -456,14 +453,14 @@ void gather_forward(const at::Tensor& hidden, const at::Tensor& positions, at::T
     with_vector_width<scalar_t>(vector_width<scalar_t>(hidden, 1), [&]<int VEC>() {
       gather_kernel<scalar_t, VEC><<<grid_for(batch * listed, kWarpsPerBlock), kThreads, 0, stream()>>>(
           hidden.const_data_ptr<scalar_t>(), hidden.stride(0), hidden.stride(1), hidden.stride(2),
-          positions.const_data_ptr<int64_t>(), batch, listed, dim, out.data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+          positions.const_data_ptr<int64_t>(), batch, listed, dim, out.mutable_data_ptr<scalar_t>());
+      check_launch();
     });
   });
 }
 
-void gather_backward(const at::Tensor& grad, const at::Tensor& positions, at::Tensor& grad_hidden) {
-  const c10::cuda::CUDAGuard guard(grad_hidden.device());
+void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_hidden) {
+  const auto guard = on_device_of(grad_hidden);
   const int64_t batch = grad_hidden.size(0), seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
   const auto [times, first] = invert_positions(positions, seq_len, /*with_first=*/true);
   LMK_DISPATCH_FLOATING(grad_hidden.scalar_type(), "landmark_gather_backward", [&] {
@@ -471,8 +468,8 @@ void gather_backward(const at::Tensor& grad, const at::Tensor& positions, at::Te
     with_vector_width<scalar_t>(vec, [&]<int VEC>() {
       scatter_kernel<scalar_t, VEC><<<grid_for(batch * seq_len, kWarpsPerBlock), kThreads, 0, stream()>>>(
           grad.const_data_ptr<scalar_t>(), positions.const_data_ptr<int64_t>(), times.const_data_ptr<int32_t>(),
-          first.const_data_ptr<int32_t>(), batch, positions.size(1), seq_len, dim, grad_hidden.data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+          first.const_data_ptr<int32_t>(), batch, positions.size(1), seq_len, dim, grad_hidden.mutable_data_ptr<scalar_t>());
+      check_launch();
     });
   });
 }

@@ -1,8 +1,8 @@
 #pragma once
 // The kernel table: what each device provides under the op implementations in ops/ (common/kernel_types.h
 // documents it). The op implementations check inputs, allocate outputs and finish results once, for every device;
-// kernels_for(tensor) hands the work to the CPU table (cpu/, vectorised once per CPU capability, on the stable ABI
-// behind an adapter) or the CUDA table (cuda/).
+// kernels_for(tensor) hands the work to the CPU table (cpu/, vectorised once per CPU capability) or the CUDA table
+// (cuda/), both on the stable ABI, through an adapter from ATen tensors (ops/kernels.cpp).
 #include <ATen/core/Tensor.h>
 
 #include <string>
@@ -16,19 +16,18 @@ using Kernels = KernelsOf<at::Tensor>;
 
 namespace cpu {
 // The kernels for the best CPU capability this machine runs (ATEN_CPU_CAPABILITY caps it, as it does ATen's).
-// (Qualified: inside lmk_ops::cpu, Kernels names the CPU kernels' own stable-ABI table, cpu/kernel_types.h.)
-const lmk_ops::Kernels& kernels();
+const stable_abi::Kernels& kernels();
 // Which capability cpu::kernels() uses: "DEFAULT", "AVX2" or "AVX512".
 const std::string& kernels_capability();
 }  // namespace cpu
 
 #ifdef LMK_OPS_WITH_CUDA
 namespace cuda {
-const Kernels& kernels();
+const stable_abi::Kernels& kernels();
 }  // namespace cuda
 #endif
 
-// The table for t's device (the ops register only for devices that have one).
+// The table for t's device (the ops register only for devices that have one), taking the op layer's ATen tensors.
 const Kernels& kernels_for(const at::Tensor& t);
 
 }  // namespace lmk_ops

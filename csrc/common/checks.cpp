@@ -5,6 +5,7 @@
 #include <sstream>
 #include <string>
 
+#include "common/device_name.h"
 #include "common/error.h"
 #include "ops/kernels.h"
 

@@ -2,9 +2,9 @@
 // The one place that lists the dtypes the kernels are instantiated for, as switches of our own over the dtype
 // (header-only: ATen's AT_DISPATCH macros are not part of PyTorch's stable ABI). The ops check dtypes before any
 // kernel runs, so another dtype here is an internal error.
-#include <c10/core/ScalarType.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <stdexcept>
 #include <string>

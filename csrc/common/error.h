@@ -1,10 +1,7 @@
 #pragma once
 // The ops' errors: LMK_CHECK(condition, parts...) throws std::runtime_error with the parts streamed together, which
 // the dispatcher hands to Python as a RuntimeError. Our own rather than c10's TORCH_CHECK, which PyTorch's stable
-// ABI does not offer; devices are named by device_name() for the same reason (c10::Device's printer lives in
-// libc10).
-#include <ATen/core/Tensor.h>
-
+// ABI does not offer (common/device_name.h names devices for the same reason).
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -16,21 +13,6 @@ template <typename... Parts>
   std::ostringstream message;
   (message << ... << parts);
   throw std::runtime_error(message.str());
-}
-
-// "cpu", "cuda:0", as torch prints a tensor's device.
-inline std::string device_name(const at::Tensor& t) {
-  const auto device = t.device();
-  switch (device.type()) {
-    case c10::DeviceType::CPU:
-      return "cpu";
-    case c10::DeviceType::CUDA:
-      return "cuda:" + std::to_string(device.index());
-    case c10::DeviceType::Meta:
-      return "meta";
-    default:
-      return "a device of type " + std::to_string(static_cast<int>(device.type()));
-  }
 }
 
 }  // namespace lmk_ops

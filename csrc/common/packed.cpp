@@ -14,6 +14,7 @@
 #include <string>
 
 #include "common/dispatch.h"
+#include "common/device_name.h"
 #include "common/error.h"
 #include "ops/kernels.h"
 

@@ -10,7 +10,7 @@
 // maxima) are kept in the same order: per 16 features, the 8 even ones, then the 8 odd ones. Sums taken in pair
 // order add the same products in another order; the forward and the backward use the same order, so a recomputed
 // score keeps its bits. A maximum is the same in any order.
-#include <c10/util/BFloat16.h>
+#include <torch/headeronly/util/BFloat16.h>
 
 #include <cstdint>
 #include <type_traits>

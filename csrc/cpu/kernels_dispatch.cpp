@@ -3,7 +3,6 @@
 #include <string>
 
 #include "cpu/kernel_types.h"
-#include "ops/kernels.h"
 
 namespace lmk_ops::cpu {
 

@@ -6,8 +6,8 @@
 // DEFAULT and AVX2, 64 for AVX512), which the compiler lowers to SSE2, AVX2 or AVX-512 instructions. The code the
 // tests run on an AVX2 machine (DEFAULT and AVX2) is so the code an AVX-512 machine runs, only wider. Intrinsics
 // only where the generic form would be slower: fused multiply-add and float16 conversion.
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <cstdint>
 #include <cstring>

@@ -10,4 +10,6 @@ using stable_abi::Kernels;
 using stable_abi::RowSelection;
 using stable_abi::Tensor;
 
+const Kernels& kernels();
+
 }  // namespace lmk_ops::cuda

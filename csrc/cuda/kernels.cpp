@@ -1,8 +1,7 @@
-// The CUDA kernel table (ops/kernels.h).
+// The CUDA kernel table (common/kernel_types.h).
 #include "cuda/attention_kernels.h"
 #include "cuda/pool_kernels.h"
 #include "cuda/rows.h"
-#include "ops/kernels.h"
 
 namespace lmk_ops::cuda {
 

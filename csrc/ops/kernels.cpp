@@ -2,6 +2,7 @@
 
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 
+#include "common/device_name.h"
 #include "common/error.h"
 
 namespace lmk_ops {

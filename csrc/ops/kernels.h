@@ -8,24 +8,15 @@
 #include <string>
 
 #include "common/row_selection.h"
+#include "cpu/kernel_types.h"
+#ifdef LMK_OPS_WITH_CUDA
+#include "cuda/kernel_types.h"
+#endif
 
 namespace lmk_ops {
 
 using AttentionRows = AttentionRowsOf<at::Tensor>;
 using Kernels = KernelsOf<at::Tensor>;
-
-namespace cpu {
-// The kernels for the best CPU capability this machine runs (ATEN_CPU_CAPABILITY caps it, as it does ATen's).
-const stable_abi::Kernels& kernels();
-// Which capability cpu::kernels() uses: "DEFAULT", "AVX2" or "AVX512".
-const std::string& kernels_capability();
-}  // namespace cpu
-
-#ifdef LMK_OPS_WITH_CUDA
-namespace cuda {
-const stable_abi::Kernels& kernels();
-}  // namespace cuda
-#endif
 
 // The table for t's device (the ops register only for devices that have one), taking the op layer's ATen tensors.
 const Kernels& kernels_for(const at::Tensor& t);

@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "common/checks.h"
+#include "common/device_name.h"
 #include "common/error.h"
 #include "common/packed.h"
 #include "ops/kernels.h"

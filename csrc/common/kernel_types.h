@@ -1,8 +1,9 @@
 #pragma once
 // What the kernels take, written once for either tensor type: PyTorch's stable-ABI tensor (torch::stable::Tensor),
 // which the kernels of every device take (stable_abi below), or ATen's, which the op layer uses until it moves to
-// the stable ABI too (ops/kernels.h, common/row_selection.h; ops/kernels.cpp adapts the one to the other). Kernels trust their inputs: the ops check
-// them first. B, L, D > 0 unless a line says otherwise. Output tensors come allocated; kernels write their elements.
+// the stable ABI too (ops/kernels.h, common/row_selection.h; ops/kernels.cpp adapts the one to the other). Kernels
+// trust their inputs: the ops check them first. B, L, D > 0 unless a line says otherwise. Output tensors come
+// allocated; kernels write their elements.
 #include <torch/csrc/stable/tensor.h>
 
 #include <cstdint>

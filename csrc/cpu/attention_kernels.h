@@ -1,6 +1,7 @@
 #pragma once
 // The attention pooling kernels of one CPU capability (attention_kernels.cpp); pool_kernels.cpp puts them in that
-// capability's Kernels table (common/kernel_types.h), which documents them. Included only by files compiled per capability.
+// capability's Kernels table (common/kernel_types.h), which documents them. Included only by files compiled per
+// capability.
 #include "cpu/kernel_types.h"
 
 namespace lmk_ops::cpu::CPU_CAPABILITY {

@@ -5,8 +5,6 @@
 // (cuda/), both on the stable ABI, through an adapter from ATen tensors (ops/kernels.cpp).
 #include <ATen/core/Tensor.h>
 
-#include <string>
-
 #include "common/row_selection.h"
 #include "cpu/kernel_types.h"
 #ifdef LMK_OPS_WITH_CUDA

@@ -159,31 +159,32 @@ def test_packed_gradcheck_and_gradgradcheck(device, name):
     torch.autograd.gradgradcheck(lambda h: fn(h, mask, cu_seqlens=offsets), (hidden,))
 
 
-BAD_OFFSETS = [
-    (torch.tensor([1, 3, 7]), "expected cu_seqlens[0] = 0"),
-    (torch.tensor([0, 3, 6]), "expected cu_seqlens[-1] = T = 7"),
-    (torch.tensor([0, 5, 3, 7]), "expected non-decreasing cu_seqlens"),
-    (torch.tensor([0, 3, 7]).float(), "expected cu_seqlens of dtype int32 or int64, got Float"),
-    (torch.tensor([[0, 3, 7]]), "expected cu_seqlens of shape [B + 1]"),
-    (torch.tensor([], dtype=torch.long), "expected cu_seqlens of shape [B + 1]"),
+BAD_OFFSETS = [  # regular expressions: a bad value is named with its entry
+    (torch.tensor([1, 3, 7]), r"expected cu_seqlens\[0\] = 0, got 1 at \[0, 0\]"),
+    (torch.tensor([0, 3, 6]), r"expected cu_seqlens\[-1\] = T = 7 \(hidden's rows\), got 6 at \[0, 0\]"),
+    (torch.tensor([0, 5, 3, 7]), r"expected non-decreasing cu_seqlens .*, got -2 at \[0, 1\]"),
+    (torch.tensor([0, 3, 7]).float(), r"expected cu_seqlens of dtype int32 or int64, got Float"),
+    (torch.tensor([[0, 3, 7]]), r"expected cu_seqlens of shape \[B \+ 1\]"),
+    (torch.tensor([], dtype=torch.long), r"expected cu_seqlens of shape \[B \+ 1\]"),
 ]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("offsets,message", BAD_OFFSETS)
-@pytest.mark.parametrize("name", ["mean_pool", "max_pool", "landmark_mean"])
-def test_bad_offsets_name_the_op(offsets, message, name):
-    hidden = torch.randn(7, 4)
-    call = {"mean_pool": lambda: lmk_ops.mean_pool(hidden, cu_seqlens=offsets),
-            "max_pool": lambda: lmk_ops.max_pool(hidden, cu_seqlens=offsets),
-            "landmark_mean": lambda: lmk_ops.landmark_mean(hidden, torch.ones(7, dtype=torch.bool),
-                                                           cu_seqlens=offsets)}[name]
-    with pytest.raises(RuntimeError, match=f"lmk_ops.{name}: " + message.replace("[", r"\[").replace("+", r"\+")):
+@pytest.mark.parametrize("name", ["mean_pool", "max_pool", "landmark_mean", "first_token_pool", "last_token_pool"])
+def test_bad_offsets_name_the_op(offsets, message, name, device):
+    hidden, offsets = torch.randn(7, 4, device=device), offsets.to(device)
+    call = {"landmark_mean": lambda: lmk_ops.landmark_mean(hidden, torch.ones(7, dtype=torch.bool, device=device),
+                                                           cu_seqlens=offsets)}.get(
+        name, lambda: getattr(lmk_ops, name)(hidden, cu_seqlens=offsets))
+    with pytest.raises(RuntimeError, match=f"lmk_ops.{name}: " + message):
         call()
 
 
 def test_bad_packed_inputs_name_the_op():
     hidden, offsets = torch.randn(7, 4), torch.tensor([0, 3, 7])
-    with pytest.raises(RuntimeError, match=r"lmk_ops.mean_pool: expected every text at most max_seqlen = 3"):
+    with pytest.raises(RuntimeError, match=r"lmk_ops.mean_pool: expected every text at most max_seqlen = 3 .*, got 4 "
+                                           r"at \[0, 1\]"):
         lmk_ops.mean_pool(hidden, cu_seqlens=offsets, max_seqlen=3)
     with pytest.raises(RuntimeError, match=r"lmk_ops.mean_pool: expected a packed mask of shape \[T\] = \[7\]"):
         lmk_ops.mean_pool(hidden, torch.ones(2, 7, dtype=torch.bool), cu_seqlens=offsets)

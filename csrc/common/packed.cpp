@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <limits>
-#include <sstream>
 #include <string>
 
 #include "common/dispatch.h"
@@ -29,6 +28,58 @@ std::string message(const char* op, const std::string& expected) {
 at::Tensor selected_before(const at::Tensor& selected) {
   const at::Tensor counted = selected.cumsum(0, at::kLong);
   return at::cat({at::zeros({1}, counted.options()), counted});
+}
+
+// The values of a packed batch's offsets: first 0, last T, non-decreasing, no text longer than max_seqlen; a
+// failure names the entry as check_range does. On the CPU plain loops over the B + 1 offsets, with the messages
+// written only on failure (four kernel calls would cost more than a first_token_pool's work); elsewhere the device's
+// check_range, which never synchronises.
+void check_offsets(const char* op, const PackedBatch& packed, const at::Tensor& like) {
+  const int64_t longest = packed.max_seqlen.value_or(std::numeric_limits<int64_t>::max());
+  const auto first_zero = [&] { return message(op, "expected cu_seqlens[0] = 0"); };
+  const auto last_tokens = [&] {
+    return message(op, "expected cu_seqlens[-1] = T = " + std::to_string(packed.tokens) + " (hidden's rows)");
+  };
+  const auto ordered = [&] {
+    return message(op, "expected non-decreasing cu_seqlens (text b has cu_seqlens[b + 1] - cu_seqlens[b] >= 0 "
+                       "tokens; the value is that length, the column b)");
+  };
+  const auto at_most = [&] {
+    return message(op, "expected every text at most max_seqlen = " + std::to_string(longest) +
+                           " tokens long (the value is a text's length, the column its index)");
+  };
+  if (packed.offsets.is_cpu()) {
+    const int64_t* o = packed.offsets.const_data_ptr<int64_t>();
+    const int64_t* n = packed.lengths.const_data_ptr<int64_t>();
+    const int64_t* end = n + packed.batch;
+    const auto fail_at = [](const std::string& expected, int64_t value, int64_t column) {
+      fail(expected, ", got ", value, " at [0, ", column, "]");
+    };
+    if (o[0] != 0) {
+      fail_at(first_zero(), o[0], 0);
+    }
+    if (o[packed.batch] != packed.tokens) {
+      fail_at(last_tokens(), o[packed.batch], 0);
+    }
+    if (const int64_t* bad = std::find_if(n, end, [](int64_t length) { return length < 0; }); bad != end) {
+      fail_at(ordered(), *bad, bad - n);
+    }
+    if (const int64_t* bad = std::find_if(n, end, [&](int64_t length) { return length > longest; }); bad != end) {
+      fail_at(at_most(), *bad, bad - n);
+    }
+    return;
+  }
+  const Kernels& k = kernels_for(like);
+  k.check_range(packed.offsets.narrow(0, 0, 1).view({1, 1}), 0, 0, first_zero(), false);
+  k.check_range(packed.offsets.narrow(0, packed.batch, 1).view({1, 1}), packed.tokens, packed.tokens, last_tokens(),
+                false);
+  if (packed.batch > 0) {
+    const at::Tensor lengths = packed.lengths.view({1, packed.batch});
+    k.check_range(lengths, 0, std::numeric_limits<int64_t>::max(), ordered(), false);
+    if (packed.max_seqlen.has_value()) {
+      k.check_range(lengths, 0, longest, at_most(), false);
+    }
+  }
 }
 
 }  // namespace
@@ -158,26 +209,7 @@ PackedBatch prepare_packed(const char* op, int64_t tokens, const at::Tensor& lik
   }
   packed.starts = packed.offsets.narrow(0, 0, packed.batch);
   if (values == Values::kCheck) {
-    const Kernels& k = kernels_for(like);
-    k.check_range(packed.offsets.narrow(0, 0, 1).view({1, 1}), 0, 0, message(op, "expected cu_seqlens[0] = 0"),
-                  false);
-    std::ostringstream last;
-    last << "expected cu_seqlens[-1] = T = " << tokens << " (hidden's rows)";
-    k.check_range(packed.offsets.narrow(0, packed.batch, 1).view({1, 1}), tokens, tokens, message(op, last.str()),
-                  false);
-    if (packed.batch > 0) {
-      const at::Tensor lengths = packed.lengths.view({1, packed.batch});
-      k.check_range(lengths, 0, std::numeric_limits<int64_t>::max(),
-                    message(op, "expected non-decreasing cu_seqlens (text b has cu_seqlens[b + 1] - cu_seqlens[b] "
-                                ">= 0 tokens; the value is that length, the column b)"),
-                    false);
-      if (max_seqlen.has_value()) {
-        std::ostringstream most;
-        most << "expected every text at most max_seqlen = " << *max_seqlen
-             << " tokens long (the value is a text's length, the column its index)";
-        k.check_range(lengths, 0, *max_seqlen, message(op, most.str()), false);
-      }
-    }
+    check_offsets(op, packed, like);
   }
   return packed;
 }

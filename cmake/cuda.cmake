@@ -1,6 +1,7 @@
 # Decides LMK_OPS_WITH_CUDA from LMK_OPS_CUDA (AUTO, ON, OFF) and, when on, sets up the CUDA language so that
 # find_package(Torch) (which follows) finds the toolkit it expects. Included by CMakeLists.txt.
 set(LMK_OPS_WITH_CUDA OFF)
+set(LMK_OPS_CUDA_VERSION "")  # torch.version.cuda of the torch built against, when the CUDA kernels are built
 if(NOT LMK_OPS_CUDA MATCHES "^(AUTO|ON|OFF)$")
   message(FATAL_ERROR "lmk_ops: LMK_OPS_CUDA must be AUTO, ON or OFF, got '${LMK_OPS_CUDA}'")
 endif()
@@ -80,6 +81,7 @@ if(NOT _cusparse_header)
     lmk_ops_no_cuda("cusparse.h (needed by ATen's CUDA headers) is neither in the CUDA toolkit nor in torch's nvidia packages")
   endif()
 endif()
+set(LMK_OPS_CUDA_VERSION "${_torch_cuda}")
 message(STATUS "lmk_ops: building the CUDA kernels (torch CUDA ${_torch_cuda}, nvcc ${CMAKE_CUDA_COMPILER_VERSION}, "
                "TORCH_CUDA_ARCH_LIST '$ENV{TORCH_CUDA_ARCH_LIST}')")
 set(LMK_OPS_WITH_CUDA ON)

@@ -16,6 +16,7 @@ PYBIND11_MODULE(_C, m) {
         py::dict info;
         info["version"] = LMK_OPS_VERSION;
         info["torch_version"] = LMK_OPS_TORCH_VERSION;
+        info["min_torch"] = LMK_OPS_MIN_TORCH;
 #ifdef LMK_OPS_WITH_CUDA
         info["cuda"] = true;
 #else

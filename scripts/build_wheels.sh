@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Usage: build_wheels.sh [OUT [cpu|all]]. Builds lmk_ops' wheels into OUT (default dist/): OUT/cpu/ against the
-# torch of .venv (scripts/setup.sh makes it) and, unless "cpu" is given, OUT/cu130/ against the CUDA build of torch 2.13.0 (the cached environment of scripts/cuda_env.sh), with
-# kernels for sm_80 and sm_90 (TORCH_CUDA_ARCH_LIST overrides). auditwheel then gives each a manylinux tag and
-# checks that it carries none of torch's, c10's or CUDA's libraries: the user's torch provides those.
-# Until the extension is on PyTorch's stable ABI (issue 14), a wheel runs only with the torch version it was built
-# against (2.13.0); the import guard says so.
+# torch of .venv (scripts/setup.sh makes it) and, unless "cpu" is given, OUT/cu130/ against the CUDA build of torch
+# 2.13.0 (the cached environment of scripts/cuda_env.sh), with kernels for sm_80 and sm_90 (TORCH_CUDA_ARCH_LIST
+# overrides). auditwheel then gives each a manylinux tag and checks that it carries none of torch's, c10's or CUDA's
+# libraries: the user's torch provides those. The extension is on PyTorch's stable ABI, so each wheel runs with any
+# torch from 2.10 on (the CUDA wheel: one built for CUDA 13); the import guard (lmk_ops/_loader.py) says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="$(realpath -m "${1:-dist}")"

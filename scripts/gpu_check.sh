@@ -6,6 +6,9 @@
 # bench/end_to_end.py (a BERT-base training step and inference, lmk_ops against sentence-transformers' pooling).
 # Each step's log, the JUnit results and the JSON go to RESULTS_DIR, and a summary is printed at the end. Usage:
 #   bash scripts/gpu_check.sh RESULTS_DIR
+# The build here is against this machine's torch (2.11), and is on the stable ABI like every build. To show that one
+# wheel serves several torch versions on a GPU too, LMK_OPS_CUDA_WHEEL may name a CUDA wheel built elsewhere against
+# another torch (scripts/build_wheels.sh: dist/cu130/, against torch 2.13.0); tests/test_cuda.py then runs with it too.
 # (Through a tool that returns only a few files, bundle the folder: tar -C RESULTS_DIR -czf bundle.tgz .)
 set -uo pipefail
 results="${1:?usage: bash scripts/gpu_check.sh RESULTS_DIR}"
@@ -45,6 +48,12 @@ in_site() {
   (cd "$site" && PYTHONPATH="$site/lib:$root/tests" "$@")
 }
 
+prebuilt() {
+  "$py" -m pip install -q --no-deps --target "$site/prebuilt" "$LMK_OPS_CUDA_WHEEL" &&
+    (cd "$site" && PYTHONPATH="$site/prebuilt:$root/tests" "$py" -m pytest -q -x -p no:cacheprovider \
+      --junitxml="$results/test_cuda_prebuilt.xml" "$root/tests/test_cuda.py")
+}
+
 sanitize() {
   in_site compute-sanitizer --tool "$1" --error-exitcode 1 --print-limit 20 "$py" "$root/scripts/cuda_kernel_tour.py"
 }
@@ -53,6 +62,9 @@ nvidia-smi -L >"$results/gpu.txt" 2>&1
 if step "build (torch on this machine)" build.log build; then
   step "tests/test_cuda.py (-x)" test_cuda.log in_site "$py" -m pytest -q -x -p no:cacheprovider \
     --junitxml="$results/test_cuda.xml" "$root/tests/test_cuda.py"
+  if [ -n "${LMK_OPS_CUDA_WHEEL:-}" ]; then
+    step "tests/test_cuda.py, prebuilt wheel" test_cuda_prebuilt.log prebuilt
+  fi
   parallel=()
   "$py" -c "import xdist" 2>/dev/null && parallel=(-n 8)
   step "suite, CUDA cases" test_suite_cuda.log in_site "$py" -m pytest -q -p no:cacheprovider "${parallel[@]}" -k cuda \

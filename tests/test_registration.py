@@ -3,6 +3,7 @@ build information, and the version guard on import."""
 
 import importlib
 import sys
+import types
 
 import pytest
 import torch
@@ -164,20 +165,42 @@ def test_compile_fullgraph_matches_eager(op, dynamic, device):
 
 def test_build_info():
     info = lmk_ops.build_info()
-    assert info["torch_version"].split("+")[0] == torch.__version__.split("+")[0]
+    assert info["min_torch"] == "2.10" and _loader._major_minor(info["torch_version"]) >= (2, 10)
     assert info["version"] == lmk_ops.__version__
     assert info["num_threads"] == torch.get_num_threads()
     assert info["cpu_capability"] in ("DEFAULT", "AVX2", "AVX512")
     assert isinstance(info["cuda"], bool)
 
 
-def test_mismatched_torch_build_raises_a_clear_import_error(monkeypatch):
+def _build(cuda_version=""):
+    return types.SimpleNamespace(TORCH_VERSION="2.13.0+cpu", MIN_TORCH="2.10", CUDA=bool(cuda_version),
+                                 CUDA_VERSION=cuda_version)
+
+
+@pytest.mark.parametrize("torch_version,torch_cuda,cuda_version", [
+    ("2.10.0+cpu", None, ""), ("2.13.0", "13.0", ""), ("2.17.1+cu131", "13.1", "13.0"), ("2.11.0", "12.8", "12.6"),
+    ("2.14.0a0+git1234", None, ""),
+])
+def test_the_import_guard_accepts_any_torch_from_the_targeted_one(torch_version, torch_cuda, cuda_version):
+    _loader.check_torch(_build(cuda_version), torch_version, torch_cuda)
+
+
+@pytest.mark.parametrize("torch_version,torch_cuda,cuda_version,expected", [
+    ("2.9.1+cpu", None, "", "needs torch >= 2.10"),
+    ("2.13.0+cpu", None, "13.0", "is a CPU-only build"),
+    ("2.13.0+cu128", "12.8", "13.0", "need torch built for CUDA 13.x"),
+])
+def test_the_import_guard_names_what_it_found_and_what_it_needs(torch_version, torch_cuda, cuda_version, expected):
+    with pytest.raises(ImportError, match="lmk_ops: ") as info:
+        _loader.check_torch(_build(cuda_version), torch_version, torch_cuda)
+    assert expected in str(info.value) and torch_version in str(info.value)
+
+
+def test_load_extension_applies_the_guard(monkeypatch):
     build = importlib.import_module("lmk_ops._build_info")
-    monkeypatch.setattr(build, "TORCH_VERSION", "1.0.0+cpu")
-    with pytest.raises(ImportError) as info:
+    monkeypatch.setattr(build, "MIN_TORCH", "99.0")
+    with pytest.raises(ImportError, match=r"needs torch >= 99\.0.*" + torch.__version__.replace("+", r"\+")):
         _loader.load_extension()
-    message = str(info.value)
-    assert "1.0.0+cpu" in message and torch.__version__ in message and "pip install --no-build-isolation" in message
 
 
 def test_public_api_is_documented():

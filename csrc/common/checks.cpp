@@ -11,7 +11,7 @@
 
 namespace lmk_ops {
 
-std::string shape_str(at::IntArrayRef sizes) {
+std::string shape_str(Sizes sizes) {
   std::ostringstream s;
   s << "[";
   for (size_t i = 0; i < sizes.size(); ++i) {
@@ -21,12 +21,12 @@ std::string shape_str(at::IntArrayRef sizes) {
   return s.str();
 }
 
-static bool is_supported_float(at::ScalarType t) {
-  return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble;
+static bool is_supported_float(ScalarType t) {
+  return t == ScalarType::Half || t == ScalarType::BFloat16 || t == ScalarType::Float || t == ScalarType::Double;
 }
 
 // hidden of `dims` dimensions (the layout named by `shape` in messages) and a supported floating dtype.
-static void check_hidden_layout(const char* op, const at::Tensor& hidden, int64_t dims, const char* shape) {
+static void check_hidden_layout(const char* op, const Tensor& hidden, int64_t dims, const char* shape) {
   LMK_CHECK(hidden.defined(), "lmk_ops.", op, ": expected hidden to be a tensor, got None");
   LMK_CHECK(
       hidden.dim() == dims, "lmk_ops.", op, ": expected ", shape, ", got a ", hidden.dim(), "-D tensor of shape ",
@@ -36,15 +36,15 @@ static void check_hidden_layout(const char* op, const at::Tensor& hidden, int64_
       ": expected hidden of dtype float16, bfloat16, float32 or float64, got ", hidden.scalar_type());
 }
 
-void check_hidden(const char* op, const at::Tensor& hidden) {
+void check_hidden(const char* op, const Tensor& hidden) {
   check_hidden_layout(op, hidden, 3, "hidden of shape [B, L, D] (3-D)");
 }
 
-void check_packed_hidden(const char* op, const at::Tensor& hidden) {
+void check_packed_hidden(const char* op, const Tensor& hidden) {
   check_hidden_layout(op, hidden, 2, "packed hidden of shape [T, D] (2-D, with cu_seqlens)");
 }
 
-void check_grad(const char* op, const at::Tensor& grad, int64_t dims, const char* shape) {
+void check_grad(const char* op, const Tensor& grad, int64_t dims, const char* shape) {
   LMK_CHECK(
       grad.dim() == dims, "lmk_ops.", op, ": expected grad_out of shape ", shape, " (", dims, "-D), got shape ",
       shape_str(grad.sizes()));
@@ -53,23 +53,23 @@ void check_grad(const char* op, const at::Tensor& grad, int64_t dims, const char
       ": expected grad_out of dtype float16, bfloat16, float32 or float64, got ", grad.scalar_type());
 }
 
-void check_grad_dtype(const char* op, std::optional<at::ScalarType> dtype) {
+void check_grad_dtype(const char* op, std::optional<ScalarType> dtype) {
   LMK_CHECK(
       !dtype.has_value() || is_supported_float(*dtype), "lmk_ops.", op,
       ": expected dtype float16, bfloat16, float32 or float64, got ", *dtype);
 }
 
-at::Tensor prepare_mask(
+Tensor prepare_mask(
     const char* op,
-    const std::optional<at::Tensor>& mask,
+    const std::optional<Tensor>& mask,
     int64_t batch,
     int64_t seq_len,
-    const at::Tensor& like,
+    const Tensor& like,
     Values values) {
   if (!mask.has_value() || !mask->defined()) {
-    return at::Tensor();
+    return Tensor();
   }
-  const at::Tensor& m = *mask;
+  const Tensor& m = *mask;
   LMK_CHECK(
       m.device() == like.device(), "lmk_ops.", op, ": expected mask on the same device as hidden (", device_name(like),
       "), got ", device_name(m));
@@ -78,42 +78,58 @@ at::Tensor prepare_mask(
       batch, ", ", seq_len, "], got ", shape_str(m.sizes()));
   const auto t = m.scalar_type();
   LMK_CHECK(
-      t == at::kBool || at::isIntegralType(t, /*includeBool=*/false), "lmk_ops.", op,
+      t == ScalarType::Bool || is_integral(t), "lmk_ops.", op,
       ": expected mask of dtype bool or an integer dtype holding 0/1, got ", t);
-  if (t == at::kBool) {
-    return m.contiguous();
+  if (t == ScalarType::Bool) {
+    return as_contiguous(m);
   }
   // An integer mask is a Hugging Face attention_mask: anything but 0/1 is almost surely a mistake (weights, or
   // token ids passed by accident), so say so instead of treating it as "nonzero = valid".
-  if (values == Values::kCheck) {
-    kernels_for(m).check_range(
-        m.to(at::kLong).contiguous(), 0, 1, std::string("lmk_ops.") + op + ": expected mask values 0 or 1",
-        /*landmarks=*/false);
+  // The device's range check: raises on the CPU, a device-side assertion on CUDA (common/kernel_types.h).
+  const auto check_values = [&](const Tensor& as_long) {
+    kernels_for(m).check_range(as_long, 0, 1, std::string("lmk_ops.") + op + ": expected mask values 0 or 1",
+                               /*landmarks=*/false);
+  };
+  if (m.is_cpu()) {  // one pass that checks and converts, where the generic form costs several operator calls
+    const Tensor as_long = as_contiguous(to_dtype(m, ScalarType::Long));  // no copy for the usual int64 mask
+    Tensor valid = empty_on(m, {batch, seq_len}, ScalarType::Bool);
+    const int64_t* v = as_long.const_data_ptr<int64_t>();
+    bool* out = valid.mutable_data_ptr<bool>();
+    for (int64_t i = 0; i < as_long.numel(); ++i) {
+      if (values == Values::kCheck && (v[i] < 0 || v[i] > 1)) {
+        check_values(as_long);  // raises, naming the value and where it is
+      }
+      out[i] = v[i] != 0;
+    }
+    return valid;
   }
-  return m.ne(0).contiguous();
+  if (values == Values::kCheck) {
+    check_values(as_contiguous(to_dtype(m, ScalarType::Long)));
+  }
+  return as_contiguous(ne(m, 0));
 }
 
-void check_landmarks_device(const char* op, const at::Tensor& landmarks, const at::Tensor& like) {
+void check_landmarks_device(const char* op, const Tensor& landmarks, const Tensor& like) {
   LMK_CHECK(
       landmarks.device() == like.device(), "lmk_ops.", op, ": expected landmarks on the same device as hidden (",
       device_name(like), "), got ", device_name(landmarks));
 }
 
-at::Tensor prepare_positions(
+Tensor prepare_positions(
     const char* op,
-    const at::Tensor& positions,
+    const Tensor& positions,
     int64_t batch,
     int64_t seq_len,
-    const at::Tensor& like,
+    const Tensor& like,
     Values values) {
   check_landmarks_device(op, positions, like);
   LMK_CHECK(
-      positions.scalar_type() == at::kLong, "lmk_ops.", op,
+      positions.scalar_type() == ScalarType::Long, "lmk_ops.", op,
       ": expected landmark positions of dtype int64 (padded with -1), got ", positions.scalar_type());
   LMK_CHECK(
       positions.dim() == 2 && positions.size(0) == batch, "lmk_ops.", op,
       ": expected landmark positions of shape [B, K] = [", batch, ", K], got ", shape_str(positions.sizes()));
-  at::Tensor p = positions.contiguous();
+  Tensor p = as_contiguous(positions);
   // An out-of-range position would be a read outside hidden, so it is checked before any kernel runs.
   if (values == Values::kCheck) {
     std::ostringstream expected;
@@ -126,27 +142,27 @@ at::Tensor prepare_positions(
 
 RowSelection prepare_landmarks(
     const char* op,
-    const at::Tensor& landmarks,
+    const Tensor& landmarks,
     int64_t batch,
     int64_t seq_len,
-    const at::Tensor& like,
+    const Tensor& like,
     Values values) {
   LMK_CHECK(
-      landmarks.scalar_type() == at::kBool || landmarks.scalar_type() == at::kLong, "lmk_ops.", op,
+      landmarks.scalar_type() == ScalarType::Bool || landmarks.scalar_type() == ScalarType::Long, "lmk_ops.", op,
       ": expected landmarks as a bool mask [B, L] or int64 positions [B, K] padded with -1, got ",
       landmarks.scalar_type());
-  if (landmarks.scalar_type() == at::kLong) {
-    return {at::Tensor(), prepare_positions(op, landmarks, batch, seq_len, like, values)};
+  if (landmarks.scalar_type() == ScalarType::Long) {
+    return {Tensor(), prepare_positions(op, landmarks, batch, seq_len, like, values)};
   }
   check_landmarks_device(op, landmarks, like);
   LMK_CHECK(
       landmarks.dim() == 2 && landmarks.size(0) == batch && landmarks.size(1) == seq_len, "lmk_ops.", op,
       ": expected a landmark mask of shape [B, L] = [", batch, ", ", seq_len, "], got ",
       shape_str(landmarks.sizes()));
-  return {landmarks.contiguous(), at::Tensor()};
+  return {as_contiguous(landmarks), Tensor()};
 }
 
-Heads check_query(const char* op, const at::Tensor& query, const at::Tensor& hidden) {
+Heads check_query(const char* op, const Tensor& query, const Tensor& hidden) {
   const int64_t dim = hidden.size(2);
   LMK_CHECK(
       dim > 0, "lmk_ops.", op, ": expected hidden with D > 0 features (attention scores need them), got shape ",
@@ -175,7 +191,7 @@ double resolve_scale(const char* op, std::optional<double> scale, int64_t head_d
 }
 
 void check_float_tensor(
-    const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape, const at::Tensor& like) {
+    const char* op, const char* name, const Tensor& t, Sizes shape, const Tensor& like) {
   LMK_CHECK(t.defined(), "lmk_ops.", op, ": expected ", name, " to be a tensor, got None");
   LMK_CHECK(
       t.device() == like.device(), "lmk_ops.", op, ": expected ", name, " on the same device as hidden (",

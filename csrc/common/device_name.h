@@ -1,20 +1,21 @@
 #pragma once
-// Devices named in the op layer's errors without c10::Device's printer, which lives in libc10 (not the stable ABI).
-#include <ATen/core/Tensor.h>
+// Devices named in the op layer's errors as torch prints them ("cpu", "cuda:0"); c10::Device's printer lives in
+// libc10, outside the stable ABI.
+#include <torch/csrc/stable/device.h>
+#include <torch/csrc/stable/tensor.h>
 
 #include <string>
 
 namespace lmk_ops {
 
-// "cpu", "cuda:0", as torch prints a tensor's device.
-inline std::string device_name(const at::Tensor& t) {
-  const auto device = t.device();
+inline std::string device_name(const torch::stable::Tensor& t) {
+  const torch::stable::Device device = t.device();
   switch (device.type()) {
-    case c10::DeviceType::CPU:
+    case torch::headeronly::DeviceType::CPU:
       return "cpu";
-    case c10::DeviceType::CUDA:
+    case torch::headeronly::DeviceType::CUDA:
       return "cuda:" + std::to_string(device.index());
-    case c10::DeviceType::Meta:
+    case torch::headeronly::DeviceType::Meta:
       return "meta";
     default:
       return "a device of type " + std::to_string(static_cast<int>(device.type()));

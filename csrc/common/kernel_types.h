@@ -1,7 +1,5 @@
 #pragma once
-// What the kernels take, written once for either tensor type: PyTorch's stable-ABI tensor (torch::stable::Tensor),
-// which the kernels of every device take (stable_abi below), or ATen's, which the op layer uses until it moves to
-// the stable ABI too (ops/kernels.h, common/row_selection.h; ops/kernels.cpp adapts the one to the other). Kernels
+// What the kernels take: PyTorch's stable-ABI tensors (torch::stable::Tensor), as the whole extension does. Kernels
 // trust their inputs: the ops check them first. B, L, D > 0 unless a line says otherwise. Output tensors come
 // allocated; kernels write their elements.
 #include <torch/csrc/stable/tensor.h>
@@ -22,11 +20,12 @@ using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float
 // listed), or runs: text b's rows are [starts[b], starts[b] + lengths[b]) (contiguous int64 [B]; a packed batch's
 // texts, every row selected; on CPU only, where listing them would cost more than the reduction's share of a pass,
 // so PackedBatch::selection gives this form on CPU alone).
-template <typename TensorT>
-struct RowSelectionOf {
-  TensorT mask;
-  TensorT positions;
-  TensorT starts, lengths;
+using Tensor = torch::stable::Tensor;
+
+struct RowSelection {
+  Tensor mask = Tensor();
+  Tensor positions = Tensor();
+  Tensor starts = Tensor(), lengths = Tensor();
 };
 
 // The rows attention pooling reads and writes. Padded: listed.mask is the valid mask [B, L] (undefined: every row),
@@ -34,11 +33,10 @@ struct RowSelectionOf {
 // listed.positions lists each text's valid rows as absolute rows, valid marks the valid rows [T] (undefined: all),
 // text_of_row [T] (int64) names each row's text, and the per-row tensors (weights [H, T], grad_weights [H, T],
 // grad_hidden [T, D]) have no batch dimension.
-template <typename TensorT>
-struct AttentionRowsOf {
-  RowSelectionOf<TensorT> listed;
-  TensorT valid;
-  TensorT text_of_row;
+struct AttentionRows {
+  RowSelection listed;
+  Tensor valid;
+  Tensor text_of_row;
 
   bool packed() const {
     return text_of_row.defined();
@@ -46,12 +44,7 @@ struct AttentionRowsOf {
 };
 
 // The kernel table of one device (for the CPU, of one capability).
-template <typename TensorT>
-struct KernelsOf {
-  using Tensor = TensorT;
-  using RowSelection = RowSelectionOf<TensorT>;
-  using AttentionRows = AttentionRowsOf<TensorT>;
-
+struct Kernels {
   // Checks that every value of int64 values [rows, cols] (contiguous) lies in [lo, hi]. Else: "<expected>, got V at
   // [r, c]" (with landmarks: "<expected>, got V in row r (landmarks[r, c])") for the first value outside, raised at
   // once on the CPU, and on CUDA printed by a device-side assertion, without synchronising.
@@ -85,14 +78,5 @@ struct KernelsOf {
                              const AttentionRows& rows, const Tensor& query, const Tensor& out,
                              const Tensor& stats, double scale, Tensor& grad_hidden, Tensor& grad_query);
 };
-
-// The stable-ABI instances, which the kernels take (cpu/kernel_types.h and cuda/kernel_types.h bring them into
-// their device's namespace, where they stand for these rather than for the op layer's ATen instances).
-namespace stable_abi {
-using Tensor = torch::stable::Tensor;
-using RowSelection = RowSelectionOf<Tensor>;
-using AttentionRows = AttentionRowsOf<Tensor>;
-using Kernels = KernelsOf<Tensor>;
-}  // namespace stable_abi
 
 }  // namespace lmk_ops

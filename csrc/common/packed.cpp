@@ -1,13 +1,5 @@
 #include "common/packed.h"
 
-#include <ATen/TensorOperators.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/arange.h>
-#include <ATen/ops/cat.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/where.h>
-#include <ATen/ops/zeros.h>
-
 #include <algorithm>
 #include <limits>
 #include <string>
@@ -25,16 +17,18 @@ std::string message(const char* op, const std::string& expected) {
 }
 
 // The number of selected rows before each row, and after the last: [T + 1] int64.
-at::Tensor selected_before(const at::Tensor& selected) {
-  const at::Tensor counted = selected.cumsum(0, at::kLong);
-  return at::cat({at::zeros({1}, counted.options()), counted});
+Tensor selected_before(const Tensor& selected) {
+  Tensor before = zeros_on(selected, {selected.size(0) + 1}, ScalarType::Long);
+  Tensor after_each = slice(before, 0, 1, selected.size(0));
+  torch::stable::copy_(after_each, aten("aten::cumsum", "", selected, int64_t{0}, std::optional(ScalarType::Long)));
+  return before;
 }
 
 // The values of a packed batch's offsets: first 0, last T, non-decreasing, no text longer than max_seqlen; a
 // failure names the entry as check_range does. On the CPU plain loops over the B + 1 offsets, with the messages
 // written only on failure (four kernel calls would cost more than a first_token_pool's work); elsewhere the device's
 // check_range, which never synchronises.
-void check_offsets(const char* op, const PackedBatch& packed, const at::Tensor& like) {
+void check_offsets(const char* op, const PackedBatch& packed, const Tensor& like) {
   const int64_t longest = packed.max_seqlen.value_or(std::numeric_limits<int64_t>::max());
   const auto first_zero = [&] { return message(op, "expected cu_seqlens[0] = 0"); };
   const auto last_tokens = [&] {
@@ -70,11 +64,11 @@ void check_offsets(const char* op, const PackedBatch& packed, const at::Tensor& 
     return;
   }
   const Kernels& k = kernels_for(like);
-  k.check_range(packed.offsets.narrow(0, 0, 1).view({1, 1}), 0, 0, first_zero(), false);
-  k.check_range(packed.offsets.narrow(0, packed.batch, 1).view({1, 1}), packed.tokens, packed.tokens, last_tokens(),
-                false);
+  const auto entry = [&](int64_t i) { return torch::stable::view(slice(packed.offsets, 0, i, 1), {1, 1}); };
+  k.check_range(entry(0), 0, 0, first_zero(), false);
+  k.check_range(entry(packed.batch), packed.tokens, packed.tokens, last_tokens(), false);
   if (packed.batch > 0) {
-    const at::Tensor lengths = packed.lengths.view({1, packed.batch});
+    const Tensor lengths = torch::stable::view(packed.lengths, {1, packed.batch});
     k.check_range(lengths, 0, std::numeric_limits<int64_t>::max(), ordered(), false);
     if (packed.max_seqlen.has_value()) {
       k.check_range(lengths, 0, longest, at_most(), false);
@@ -88,38 +82,42 @@ int64_t PackedBatch::width() const {
   if (max_seqlen.has_value()) {
     return *max_seqlen;
   }
-  return batch == 0 ? 0 : lengths.max().item<int64_t>();
+  int64_t longest = 0;
+  for (const int64_t length : int64_values(lengths)) {
+    longest = std::max(longest, length);
+  }
+  return longest;
 }
 
-at::Tensor PackedBatch::batch_view(const at::Tensor& hidden) const {
-  return hidden.as_strided({batch, tokens, hidden.size(1)}, {0, hidden.stride(0), hidden.stride(1)});
+Tensor PackedBatch::batch_view(const Tensor& hidden) const {
+  return as_strided(hidden, {batch, tokens, hidden.size(1)}, {0, hidden.stride(0), hidden.stride(1)});
 }
 
-at::Tensor PackedBatch::text_of_rows() const {
-  return at::arange(batch, offsets.options()).repeat_interleave(lengths, 0, tokens);
+Tensor PackedBatch::text_of_rows() const {
+  return lmk_ops::text_of_rows(lengths, tokens);
 }
 
-at::Tensor PackedBatch::absolute(const at::Tensor& positions) const {
-  return at::where(positions.ge(0), positions + starts.unsqueeze(1), -1);
+Tensor PackedBatch::absolute(const Tensor& positions) const {
+  return where(ge(positions, 0), add(positions, torch::stable::unsqueeze(starts, 1)), -1);
 }
 
-at::Tensor PackedBatch::relative(const at::Tensor& rows) const {
+Tensor PackedBatch::relative(const Tensor& rows) const {
   if (rows.is_cpu()) {  // one loop: a max_pool's [B, D] positions through three ATen ops cost 5% of its time
-    at::Tensor out = rows.clone(at::MemoryFormat::Contiguous);
+    Tensor out = torch::stable::clone(as_contiguous(rows));
     const int64_t* s = starts.const_data_ptr<int64_t>();
     const int64_t width = rows.size(1);
     LMK_DISPATCH_INDEX(out.scalar_type(), "relative", [&] {
-      index_t* r = out.data_ptr<index_t>();
+      index_t* r = out.mutable_data_ptr<index_t>();
       for (int64_t i = 0; i < out.numel(); ++i) {
         r[i] = r[i] >= 0 ? static_cast<index_t>(r[i] - s[i / width]) : index_t(-1);
       }
     });
     return out;
   }
-  return at::where(rows.ge(0), rows - starts.unsqueeze(1), -1).to(rows.scalar_type());
+  return to_dtype(where(ge(rows, 0), sub(rows, torch::stable::unsqueeze(starts, 1)), -1), rows.scalar_type());
 }
 
-at::Tensor PackedBatch::list_rows(const at::Tensor& selected) const {
+Tensor PackedBatch::list_rows(const Tensor& selected) const {
   if (offsets.is_cpu()) {  // two passes over the rows (count, list), where the ATen form below takes several
     const int64_t* o = offsets.const_data_ptr<int64_t>();
     const bool* s = selected.defined() ? selected.const_data_ptr<bool>() : nullptr;
@@ -130,8 +128,8 @@ at::Tensor PackedBatch::list_rows(const at::Tensor& selected) const {
     for (int64_t b = 0; b < batch; ++b) {
       k = std::max<int64_t>(k, selected_in(b));
     }
-    at::Tensor rows = at::full({batch, k}, -1, offsets.options());
-    int64_t* out = rows.data_ptr<int64_t>();
+    Tensor rows = full_on(offsets, {batch, k}, -1, ScalarType::Long);
+    int64_t* out = rows.mutable_data_ptr<int64_t>();
     for (int64_t b = 0; b < batch; ++b) {
       int64_t* listed = out + b * k;
       for (int64_t t = o[b], j = 0; t < o[b + 1]; ++t) {
@@ -144,39 +142,40 @@ at::Tensor PackedBatch::list_rows(const at::Tensor& selected) const {
   }
   const int64_t k = width();
   if (!selected.defined()) {
-    const at::Tensor column = at::arange(k, offsets.options()).unsqueeze(0);
-    return at::where(column.lt(lengths.unsqueeze(1)), column + starts.unsqueeze(1), -1).contiguous();
+    const Tensor column = torch::stable::unsqueeze(arange_on(offsets, k), 0);
+    return as_contiguous(where(lt(column, torch::stable::unsqueeze(lengths, 1)),
+                            add(column, torch::stable::unsqueeze(starts, 1)), -1));
   }
   // Each selected row goes to slot (its text, its rank among the text's selected rows); the others to a spare
   // last slot, dropped after.
-  const at::Tensor text = text_of_rows();
-  const at::Tensor before = selected_before(selected);
-  const at::Tensor rank = before.narrow(0, 0, tokens) - before.index_select(0, starts).index_select(0, text);
-  const at::Tensor slot = at::where(selected, text * k + rank, batch * k);
-  at::Tensor rows = at::full({batch * k + 1}, -1, offsets.options());
-  rows.scatter_(0, slot, at::arange(tokens, offsets.options()));
-  return rows.narrow(0, 0, batch * k).view({batch, k});
+  const Tensor text = text_of_rows();
+  const Tensor before = selected_before(selected);
+  const Tensor rank = sub(slice(before, 0, 0, tokens), index_select(index_select(before, 0, starts), 0, text));
+  const Tensor slot = where(selected, add(mul(text, k), rank), batch * k);
+  Tensor rows = full_on(offsets, {batch * k + 1}, -1, ScalarType::Long);
+  aten("aten::scatter_", "src", rows, int64_t{0}, slot, arange_on(offsets, tokens));
+  return torch::stable::view(slice(rows, 0, 0, batch * k), {batch, k});
 }
 
-RowSelection PackedBatch::selection(const at::Tensor& selected) const {
+RowSelection PackedBatch::selection(const Tensor& selected) const {
   if (offsets.is_cpu() && !selected.defined()) {
-    return {at::Tensor(), at::Tensor(), starts.contiguous(), lengths.contiguous()};
+    return {Tensor(), Tensor(), as_contiguous(starts), as_contiguous(lengths)};
   }
-  return {at::Tensor(), list_rows(selected)};
+  return {Tensor(), list_rows(selected)};
 }
 
-at::Tensor PackedBatch::count(const at::Tensor& selected) const {
-  const at::Tensor before = selected_before(selected);
-  return before.index_select(0, offsets.narrow(0, 1, batch)) - before.index_select(0, starts);
+Tensor PackedBatch::count(const Tensor& selected) const {
+  const Tensor before = selected_before(selected);
+  return sub(index_select(before, 0, slice(offsets, 0, 1, batch)), index_select(before, 0, starts));
 }
 
-PackedBatch prepare_packed(const char* op, int64_t tokens, const at::Tensor& like, const at::Tensor& cu_seqlens,
+PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, const Tensor& cu_seqlens,
                            std::optional<int64_t> max_seqlen, Values values) {
   LMK_CHECK(
       cu_seqlens.device() == like.device(), "lmk_ops.", op, ": expected cu_seqlens on the same device as hidden (",
       device_name(like), "), got ", device_name(cu_seqlens));
   LMK_CHECK(
-      cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong, "lmk_ops.", op,
+      cu_seqlens.scalar_type() == ScalarType::Int || cu_seqlens.scalar_type() == ScalarType::Long, "lmk_ops.", op,
       ": expected cu_seqlens of dtype int32 or int64, got ", cu_seqlens.scalar_type());
   LMK_CHECK(
       cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, "lmk_ops.", op,
@@ -189,10 +188,10 @@ PackedBatch prepare_packed(const char* op, int64_t tokens, const at::Tensor& lik
   packed.tokens = tokens;
   packed.max_seqlen = max_seqlen;
   if (cu_seqlens.is_cpu()) {  // one loop: the ATen ops would cost more than the work (a first_token_pool's share)
-    packed.offsets = at::empty({packed.batch + 1}, cu_seqlens.options().dtype(at::kLong));
-    packed.lengths = at::empty({packed.batch}, packed.offsets.options());
-    int64_t* o = packed.offsets.data_ptr<int64_t>();
-    int64_t* n = packed.lengths.data_ptr<int64_t>();
+    packed.offsets = empty_on(cu_seqlens, {packed.batch + 1}, ScalarType::Long);
+    packed.lengths = empty_on(cu_seqlens, {packed.batch}, ScalarType::Long);
+    int64_t* o = packed.offsets.mutable_data_ptr<int64_t>();
+    int64_t* n = packed.lengths.mutable_data_ptr<int64_t>();
     const int64_t stride = cu_seqlens.stride(0);
     LMK_DISPATCH_INDEX(cu_seqlens.scalar_type(), "prepare_packed", [&] {
       const index_t* c = cu_seqlens.const_data_ptr<index_t>();
@@ -204,23 +203,24 @@ PackedBatch prepare_packed(const char* op, int64_t tokens, const at::Tensor& lik
       }
     });
   } else {
-    packed.offsets = cu_seqlens.to(at::kLong).contiguous();
-    packed.lengths = packed.offsets.narrow(0, 1, packed.batch) - packed.offsets.narrow(0, 0, packed.batch);
+    packed.offsets = as_contiguous(to_dtype(cu_seqlens, ScalarType::Long));
+    packed.lengths = sub(slice(packed.offsets, 0, 1, packed.batch),
+                         slice(packed.offsets, 0, 0, packed.batch));
   }
-  packed.starts = packed.offsets.narrow(0, 0, packed.batch);
+  packed.starts = slice(packed.offsets, 0, 0, packed.batch);
   if (values == Values::kCheck) {
     check_offsets(op, packed, like);
   }
   return packed;
 }
 
-PackedBatch prepare_packed_hidden(const char* op, const at::Tensor& hidden, const at::Tensor& cu_seqlens,
+PackedBatch prepare_packed_hidden(const char* op, const Tensor& hidden, const Tensor& cu_seqlens,
                                   std::optional<int64_t> max_seqlen, Values values) {
   check_packed_hidden(op, hidden);
   return prepare_packed(op, hidden.size(0), hidden, cu_seqlens, max_seqlen, values);
 }
 
-PackedBatch prepare_packed_grad(const char* op, const at::Tensor& grad, int64_t tokens, const at::Tensor& cu_seqlens) {
+PackedBatch prepare_packed_grad(const char* op, const Tensor& grad, int64_t tokens, const Tensor& cu_seqlens) {
   PackedBatch packed = prepare_packed(op, tokens, grad, cu_seqlens, std::nullopt, Values::kTrusted);
   LMK_CHECK(
       packed.batch == grad.size(0), "lmk_ops.", op, ": expected grad_out with B = ", packed.batch,
@@ -228,53 +228,54 @@ PackedBatch prepare_packed_grad(const char* op, const at::Tensor& grad, int64_t 
   return packed;
 }
 
-at::Tensor prepare_packed_mask(const char* op, const std::optional<at::Tensor>& mask, const PackedBatch& packed,
-                               const at::Tensor& like, Values values) {
+Tensor prepare_packed_mask(const char* op, const std::optional<Tensor>& mask, const PackedBatch& packed,
+                               const Tensor& like, Values values) {
   if (!mask.has_value() || !mask->defined()) {
-    return at::Tensor();
+    return Tensor();
   }
   LMK_CHECK(
       mask->dim() == 1 && mask->size(0) == packed.tokens, "lmk_ops.", op,
       ": expected a packed mask of shape [T] = [", packed.tokens, "], got ", shape_str(mask->sizes()));
-  return prepare_mask(op, mask->view({1, packed.tokens}), 1, packed.tokens, like, values).view({packed.tokens});
+  const Tensor valid = prepare_mask(op, torch::stable::view(*mask, {1, packed.tokens}), 1, packed.tokens, like, values);
+  return torch::stable::view(valid, {packed.tokens});
 }
 
-at::Tensor prepare_packed_positions(const char* op, const at::Tensor& positions, const PackedBatch& packed,
-                                    const at::Tensor& like, Values values) {
+Tensor prepare_packed_positions(const char* op, const Tensor& positions, const PackedBatch& packed,
+                                    const Tensor& like, Values values) {
   // Shape, dtype and device as for the padded positions; the range is each text's own length.
-  const at::Tensor p = prepare_positions(op, positions, packed.batch, std::numeric_limits<int64_t>::max(), like,
+  const Tensor p = prepare_positions(op, positions, packed.batch, std::numeric_limits<int64_t>::max(), like,
                                          Values::kTrusted);
   if (values == Values::kCheck && p.numel() > 0) {
     // Only a bad entry keeps its value; every other becomes -1, so the first value that is not -1 is the culprit.
-    const at::Tensor bad = p.lt(-1).logical_or(p.ge(packed.lengths.unsqueeze(1)));
+    const Tensor bad = aten("aten::logical_or", "", lt(p, -1), ge(p, torch::stable::unsqueeze(packed.lengths, 1)));
     kernels_for(like).check_range(
-        at::where(bad, p, -1).contiguous(), -1, -1,
+        as_contiguous(where(bad, p, -1)), -1, -1,
         message(op, "expected landmark positions in [0, length of their text) (counted from the text's start in "
                     "cu_seqlens) or -1 for none"),
         /*landmarks=*/true);
   }
-  return packed.absolute(p).contiguous();
+  return as_contiguous(packed.absolute(p));
 }
 
-at::Tensor prepare_packed_landmark_mask(const char* op, const at::Tensor& landmarks, const PackedBatch& packed,
-                                        const at::Tensor& like) {
+Tensor prepare_packed_landmark_mask(const char* op, const Tensor& landmarks, const PackedBatch& packed,
+                                        const Tensor& like) {
   check_landmarks_device(op, landmarks, like);
   LMK_CHECK(
       landmarks.dim() == 1 && landmarks.size(0) == packed.tokens, "lmk_ops.", op,
       ": expected a packed landmark mask of shape [T] = [", packed.tokens, "], got ", shape_str(landmarks.sizes()));
-  return landmarks.contiguous();
+  return as_contiguous(landmarks);
 }
 
-RowSelection prepare_packed_landmarks(const char* op, const at::Tensor& landmarks, const PackedBatch& packed,
-                                      const at::Tensor& like, Values values) {
+RowSelection prepare_packed_landmarks(const char* op, const Tensor& landmarks, const PackedBatch& packed,
+                                      const Tensor& like, Values values) {
   LMK_CHECK(
-      landmarks.scalar_type() == at::kBool || landmarks.scalar_type() == at::kLong, "lmk_ops.", op,
+      landmarks.scalar_type() == ScalarType::Bool || landmarks.scalar_type() == ScalarType::Long, "lmk_ops.", op,
       ": expected packed landmarks as a bool mask [T] or int64 positions [B, K] padded with -1, got ",
       landmarks.scalar_type());
-  if (landmarks.scalar_type() == at::kLong) {
-    return {at::Tensor(), prepare_packed_positions(op, landmarks, packed, like, values)};
+  if (landmarks.scalar_type() == ScalarType::Long) {
+    return {Tensor(), prepare_packed_positions(op, landmarks, packed, like, values)};
   }
-  return {at::Tensor(), packed.list_rows(prepare_packed_landmark_mask(op, landmarks, packed, like))};
+  return {Tensor(), packed.list_rows(prepare_packed_landmark_mask(op, landmarks, packed, like))};
 }
 
 }  // namespace lmk_ops

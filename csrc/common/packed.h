@@ -2,23 +2,21 @@
 // Packed (variable-length) batches: hidden [T, D] with offsets cu_seqlens [B + 1], as flash-attention's varlen
 // kernels, transformers' DataCollatorWithFlattening and sentence-transformers' flattened path carry them.
 //
-// The kernels never see a layout, only each text's ordered list of selected rows (common/row_selection.h). A
+// The kernels never see a layout, only each text's ordered list of selected rows (common/kernel_types.h). A
 // packed batch becomes the padded kernels' input with no copy: hidden viewed as [B, T, D] with a batch stride of 0
 // (every text sees all T rows) and each text's selected rows listed as absolute row numbers. The kernels then walk
 // the same rows in the same order as for the padded batch, so a text pools to the same bits in either layout.
-#include <ATen/core/Tensor.h>
-
 #include <optional>
 
 #include "common/checks.h"
-#include "common/row_selection.h"
+#include "common/tensor_ops.h"
 
 namespace lmk_ops {
 
 struct PackedBatch {
-  at::Tensor offsets;  // cu_seqlens as int64 [B + 1], contiguous
-  at::Tensor starts;   // [B]: offsets[:-1]
-  at::Tensor lengths;  // [B]: offsets[1:] - offsets[:-1]
+  Tensor offsets;  // cu_seqlens as int64 [B + 1], contiguous
+  Tensor starts;   // [B]: offsets[:-1]
+  Tensor lengths;  // [B]: offsets[1:] - offsets[:-1]
   int64_t batch = 0;
   int64_t tokens = 0;  // T
   std::optional<int64_t> max_seqlen;
@@ -27,52 +25,52 @@ struct PackedBatch {
   int64_t width() const;
 
   // hidden [T, D] as [B, T, D] with batch stride 0: the input of the padded kernels for absolute row lists.
-  at::Tensor batch_view(const at::Tensor& hidden) const;
+  Tensor batch_view(const Tensor& hidden) const;
   // The text of each row [T] (int64), with no host synchronisation.
-  at::Tensor text_of_rows() const;
+  Tensor text_of_rows() const;
   // Positions counted from each text's start ([B, K], -1 padded) as absolute rows of hidden; -1 stays -1.
-  at::Tensor absolute(const at::Tensor& positions) const;
+  Tensor absolute(const Tensor& positions) const;
   // Absolute rows of hidden ([B, K] int32 or int64, -1 padded) counted from each text's start again, in their dtype.
-  at::Tensor relative(const at::Tensor& rows) const;
+  Tensor relative(const Tensor& rows) const;
   // The absolute rows where selected [T] (bool) is true, per text in order, as [B, K] padded with -1 (K: at least
   // the most rows a text has selected, exactly that on CPU); every row of each text when selected is undefined.
-  at::Tensor list_rows(const at::Tensor& selected) const;
+  Tensor list_rows(const Tensor& selected) const;
   // The rows the forward kernels reduce, for the [B, T, D] batch view: where selected [T] (bool) is true, as
-  // list_rows gives them; every row of each text (selected undefined) as runs on CPU (row_selection.h), listed on
+  // list_rows gives them; every row of each text (selected undefined) as runs on CPU (kernel_types.h), listed on
   // CUDA.
-  RowSelection selection(const at::Tensor& selected) const;
+  RowSelection selection(const Tensor& selected) const;
   // How many rows each text has where selected [T] (bool) is true, [B] int64.
-  at::Tensor count(const at::Tensor& selected) const;
+  Tensor count(const Tensor& selected) const;
 };
 
 // Validates cu_seqlens for T rows on like's device: int32 or int64 [B + 1], first 0, last T, non-decreasing; and
 // max_seqlen, when given, at least every text's length. Values are checked as prepare_mask checks them (on CUDA
 // without a host synchronisation).
-PackedBatch prepare_packed(const char* op, int64_t tokens, const at::Tensor& like, const at::Tensor& cu_seqlens,
+PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, const Tensor& cu_seqlens,
                            std::optional<int64_t> max_seqlen, Values values = Values::kCheck);
 
 // hidden [T, D] (checked as check_packed_hidden does) and its cu_seqlens, checked as prepare_packed does.
-PackedBatch prepare_packed_hidden(const char* op, const at::Tensor& hidden, const at::Tensor& cu_seqlens,
+PackedBatch prepare_packed_hidden(const char* op, const Tensor& hidden, const Tensor& cu_seqlens,
                                   std::optional<int64_t> max_seqlen, Values values = Values::kCheck);
 
 // The packed batch of a backward op, whose cu_seqlens' values are trusted: grad_out's first dimension must be B.
-PackedBatch prepare_packed_grad(const char* op, const at::Tensor& grad, int64_t tokens, const at::Tensor& cu_seqlens);
+PackedBatch prepare_packed_grad(const char* op, const Tensor& grad, int64_t tokens, const Tensor& cu_seqlens);
 
 // A packed batch's token mask [T] (bool, or integer 0/1), as a contiguous bool tensor; undefined when not given.
-at::Tensor prepare_packed_mask(const char* op, const std::optional<at::Tensor>& mask, const PackedBatch& packed,
-                               const at::Tensor& like, Values values = Values::kCheck);
+Tensor prepare_packed_mask(const char* op, const std::optional<Tensor>& mask, const PackedBatch& packed,
+                               const Tensor& like, Values values = Values::kCheck);
 
 // A packed batch's landmarks as the kernels take them: a bool [T] mask becomes absolute row lists; int64 positions
 // [B, K] counted from each text's start (-1 padded) are checked against each text's length and made absolute.
-RowSelection prepare_packed_landmarks(const char* op, const at::Tensor& landmarks, const PackedBatch& packed,
-                                      const at::Tensor& like, Values values = Values::kCheck);
+RowSelection prepare_packed_landmarks(const char* op, const Tensor& landmarks, const PackedBatch& packed,
+                                      const Tensor& like, Values values = Values::kCheck);
 
 // A packed landmark mask: bool [T] on like's device (dtype checked by the caller); returned contiguous.
-at::Tensor prepare_packed_landmark_mask(const char* op, const at::Tensor& landmarks, const PackedBatch& packed,
-                                        const at::Tensor& like);
+Tensor prepare_packed_landmark_mask(const char* op, const Tensor& landmarks, const PackedBatch& packed,
+                                        const Tensor& like);
 
 // Positions [B, K] counted from each text's start: int64, -1 or inside their own text; returned absolute.
-at::Tensor prepare_packed_positions(const char* op, const at::Tensor& positions, const PackedBatch& packed,
-                                    const at::Tensor& like, Values values = Values::kCheck);
+Tensor prepare_packed_positions(const char* op, const Tensor& positions, const PackedBatch& packed,
+                                    const Tensor& like, Values values = Values::kCheck);
 
 }  // namespace lmk_ops

@@ -616,7 +616,7 @@ Plan make_plan(const Tensor& hidden, const Tensor& valid, const Tensor& query) {
   Tensor source = hidden;
   int vec = vector_width<scalar_t>(hidden, head_dim);
   if (vec == 1 && head_dim > kMaxHeadPacks && head_dim % kWidest == 0) {
-    source = scratch(hidden, hidden.sizes(), hidden.scalar_type());
+    source = empty_on(hidden, hidden.sizes(), hidden.scalar_type());
     torch::stable::copy_(source, hidden);
     vec = vector_width<scalar_t>(source, head_dim);
   }
@@ -638,9 +638,9 @@ void forward_typed(const Tensor& hidden_in, const Tensor& valid, const Tensor& q
   const auto& [batch, seq_len, dim, heads, head_dim, hidden, list, chunks, layout, wide] = plan;
   Tensor part_max, part_sum, part_out;
   if (chunks > 1) {
-    part_max = scratch(hidden, {batch, chunks, heads}, wide);
-    part_sum = scratch(hidden, {batch, chunks, heads}, wide);
-    part_out = scratch(hidden, {batch, chunks, dim}, wide);
+    part_max = empty_on(hidden, {batch, chunks, heads}, wide);
+    part_sum = empty_on(hidden, {batch, chunks, heads}, wide);
+    part_out = empty_on(hidden, {batch, chunks, dim}, wide);
   }
   const auto data = [](Tensor& t) { return t.defined() ? t.mutable_data_ptr<acc>() : nullptr; };
   with_head_layout<scalar_t>(layout, [&]<int VEC, int P>() {
@@ -672,10 +672,10 @@ void backward_typed(const Tensor& grad, const Tensor& grad_weights, const Tensor
   using acc = acc_t<scalar_t>;
   const Plan plan = make_plan<scalar_t>(hidden_in, valid, query);
   const auto& [batch, seq_len, dim, heads, head_dim, hidden, list, chunks, layout, wide] = plan;
-  Tensor prob = scratch(hidden, {batch, heads, seq_len}, wide), err = scratch(hidden, {batch, heads, seq_len}, wide);
-  Tensor part_pe = scratch(hidden, {batch, chunks, heads}, wide);
-  Tensor part_pex = scratch(hidden, {batch, chunks, dim}, wide), part_px = scratch(hidden, {batch, chunks, dim}, wide);
-  Tensor text_sums = scratch(hidden, {batch, heads}, wide), query_shares = scratch(hidden, {batch, dim}, wide);
+  Tensor prob = empty_on(hidden, {batch, heads, seq_len}, wide), err = empty_on(hidden, {batch, heads, seq_len}, wide);
+  Tensor part_pe = empty_on(hidden, {batch, chunks, heads}, wide);
+  Tensor part_pex = empty_on(hidden, {batch, chunks, dim}, wide), part_px = empty_on(hidden, {batch, chunks, dim}, wide);
+  Tensor text_sums = empty_on(hidden, {batch, heads}, wide), query_shares = empty_on(hidden, {batch, dim}, wide);
   const acc wide_scale = static_cast<acc>(scale);
   with_head_layout<scalar_t>(layout, [&]<int VEC, int P>() {
     const size_t shared = layout.row_lanes > 1 ? size_t{kThreads} * (2 * P * VEC + 1) * sizeof(acc) : 0;

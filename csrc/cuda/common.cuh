@@ -20,28 +20,10 @@
 #include <cstdint>
 
 #include "common/error.h"
+#include "common/tensor_ops.h"
 #include "cuda/kernel_types.h"
 
 namespace lmk_ops::cuda {
-
-using ScalarType = torch::headeronly::ScalarType;
-
-// The accumulation dtype of a floating dtype (acc_t's).
-inline ScalarType acc_dtype(ScalarType t) {
-  return t == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
-}
-
-// Scratch tensors on like's device: uninitialised, zeros, or every element `value`.
-inline Tensor scratch(const Tensor& like, torch::headeronly::IntHeaderOnlyArrayRef sizes, ScalarType dtype) {
-  return torch::stable::new_empty(like, sizes, dtype);
-}
-inline Tensor zeros_on(const Tensor& like, torch::headeronly::IntHeaderOnlyArrayRef sizes, ScalarType dtype) {
-  return torch::stable::new_zeros(like, sizes, dtype);
-}
-inline Tensor full_on(const Tensor& like, torch::headeronly::IntHeaderOnlyArrayRef sizes, int64_t value,
-                      ScalarType dtype) {
-  return torch::stable::fill_(scratch(like, sizes, dtype), static_cast<double>(value));  // exact below 2^53
-}
 
 // Makes t's device current for the guard's lifetime.
 inline torch::stable::accelerator::DeviceGuard on_device_of(const Tensor& t) {

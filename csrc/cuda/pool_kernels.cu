@@ -198,9 +198,9 @@ void pool_forward(const Tensor& hidden, const RowSelection& selection, Tensor& o
   const int64_t chunks = std::max<int64_t>(1, ceil_div(list.upper, kChunkRows));
   Tensor partial, partial_where;
   if (chunks > 1) {
-    partial = scratch(hidden, {batch, chunks, dim}, kMax ? acc_dtype(hidden.scalar_type()) : ScalarType::Double);
+    partial = empty_on(hidden, {batch, chunks, dim}, kMax ? acc_dtype(hidden.scalar_type()) : ScalarType::Double);
     if (kMax) {
-      partial_where = scratch(hidden, {batch, chunks, dim}, ScalarType::Int);
+      partial_where = empty_on(hidden, {batch, chunks, dim}, ScalarType::Int);
     }
   }
   auto* argmax_data = kMax ? argmax->mutable_data_ptr<int32_t>() : nullptr;

@@ -140,7 +140,7 @@ void list_entries(const Entries& entries, int64_t batch, Tensor& order, Tensor& 
   const int64_t segments = ceil_div(entries.n, kListSegment);
   Tensor counts;
   if (segments > 1) {
-    counts = scratch(order, {batch, segments}, ScalarType::Int);
+    counts = empty_on(order, {batch, segments}, ScalarType::Int);
     count_segments<<<batch * segments, kThreads, 0, stream()>>>(entries, segments, counts.mutable_data_ptr<int32_t>());
     check_launch();
   }
@@ -363,10 +363,10 @@ RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_le
   LMK_CHECK(!selection.starts.defined(), "lmk_ops: runs of rows are a CPU form (PackedBatch::selection)");
   if (selection.mask.defined()) {
     const Tensor& mask = selection.mask;
-    Tensor order = scratch(mask, {batch, seq_len}, ScalarType::Long);
+    Tensor order = empty_on(mask, {batch, seq_len}, ScalarType::Long);
     Tensor count;
     if (batch > 0 && seq_len > 0) {
-      count = scratch(mask, {batch}, ScalarType::Long);  // written by list_entries
+      count = empty_on(mask, {batch}, ScalarType::Long);  // written by list_entries
       list_entries(MaskEntries{mask.const_data_ptr<bool>(), seq_len}, batch, order, count);
     } else {
       count = zeros_on(mask, {batch}, ScalarType::Long);
@@ -376,10 +376,10 @@ RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_le
   if (selection.positions.defined()) {
     const Tensor& positions = selection.positions;
     const int64_t listed = positions.size(1);
-    Tensor order = scratch(positions, {batch, listed}, positions.scalar_type());
+    Tensor order = empty_on(positions, {batch, listed}, positions.scalar_type());
     Tensor count;
     if (batch > 0 && listed > 0) {
-      count = scratch(positions, {batch}, positions.scalar_type());  // written by list_entries
+      count = empty_on(positions, {batch}, positions.scalar_type());  // written by list_entries
       list_entries(PositionEntries{positions.const_data_ptr<int64_t>(), listed}, batch, order, count);
     } else {
       count = zeros_on(positions, {batch}, positions.scalar_type());

@@ -2,10 +2,10 @@
 // The kernel table: what each device provides under the op implementations in ops/ (common/kernel_types.h
 // documents it). The op implementations check inputs, allocate outputs and finish results once, for every device;
 // kernels_for(tensor) hands the work to the CPU table (cpu/, vectorised once per CPU capability) or the CUDA table
-// (cuda/), both on the stable ABI, through an adapter from ATen tensors (ops/kernels.cpp).
-#include <ATen/core/Tensor.h>
+// (cuda/).
+#include <torch/csrc/stable/library.h>
 
-#include "common/row_selection.h"
+#include "common/kernel_types.h"
 #include "cpu/kernel_types.h"
 #ifdef LMK_OPS_WITH_CUDA
 #include "cuda/kernel_types.h"
@@ -13,25 +13,23 @@
 
 namespace lmk_ops {
 
-using AttentionRows = AttentionRowsOf<at::Tensor>;
-using Kernels = KernelsOf<at::Tensor>;
-
-// The table for t's device (the ops register only for devices that have one), taking the op layer's ATen tensors.
-const Kernels& kernels_for(const at::Tensor& t);
+// The table for t's device (the ops register only for devices that have one).
+const Kernels& kernels_for(const Tensor& t);
 
 }  // namespace lmk_ops
 
-// Registers the op implementations that register(torch::Library&) adds, for every device with a kernel table.
+// Registers the op implementations that register(StableLibrary&) adds, for every device with a kernel table, through
+// the stable ABI (the schemas are defined in Python: python/lmk_ops/_schemas.py).
 #ifdef LMK_OPS_WITH_CUDA
-#define LMK_OPS_REGISTER_CUDA(register) \
-  TORCH_LIBRARY_IMPL(lmk_ops, CUDA, m) {  \
-    register(m);                         \
+#define LMK_OPS_REGISTER_CUDA(register)       \
+  STABLE_TORCH_LIBRARY_IMPL(lmk_ops, CUDA, m) { \
+    register(m);                               \
   }
 #else
 #define LMK_OPS_REGISTER_CUDA(register)
 #endif
 #define LMK_OPS_REGISTER_FOR_EVERY_DEVICE(register) \
-  TORCH_LIBRARY_IMPL(lmk_ops, CPU, m) {             \
+  STABLE_TORCH_LIBRARY_IMPL(lmk_ops, CPU, m) {      \
     register(m);                                    \
   }                                                 \
   LMK_OPS_REGISTER_CUDA(register)

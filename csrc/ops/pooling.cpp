@@ -1,88 +1,104 @@
 #include "ops/pooling.h"
 
-#include <ATen/OpMathType.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/linalg_vector_norm.h>
-#include <ATen/ops/ones_like.h>
-#include <ATen/ops/where.h>
-#include <ATen/ops/zeros.h>
+#include <algorithm>
+#include <cmath>
 
+#include "common/dispatch.h"
 #include "ops/kernels.h"
 
 namespace lmk_ops::ops {
 
-bool is_empty_pool(const at::Tensor& hidden) {
+bool is_empty_pool(const Tensor& hidden) {
   return hidden.size(0) == 0 || hidden.size(1) == 0 || hidden.size(2) == 0;
 }
 
-std::tuple<at::Tensor, at::Tensor> finish_pooled(const at::Tensor& pooled, at::ScalarType dtype, bool normalize) {
+std::tuple<Tensor, Tensor> finish_pooled(const Tensor& pooled, ScalarType dtype, bool normalize) {
   if (!normalize) {
-    return {pooled, at::empty({0}, pooled.options().dtype(at::toOpMathType(dtype)))};
+    return {pooled, empty_on(pooled, {0}, acc_dtype(dtype))};
   }
-  at::Tensor wide = pooled.to(at::toOpMathType(dtype));
-  const at::Tensor norm = at::linalg_vector_norm(wide, 2, {1}, /*keepdim=*/true);
-  at::Tensor out = wide.div(norm.clamp_min(1e-12)).to(dtype);
-  return {out, wide};
+  const Tensor wide = as_contiguous(to_dtype(pooled, acc_dtype(dtype)));
+  if (wide.is_cpu()) {  // one pass per row, where the generic form below costs six operator calls
+    const int64_t batch = wide.size(0), dim = wide.size(1);
+    Tensor out = empty_on(wide, {batch, dim}, dtype);
+    LMK_DISPATCH_FLOATING(dtype, "normalize", [&] {
+      using acc = acc_t<scalar_t>;
+      const acc* w = wide.const_data_ptr<acc>();
+      scalar_t* o = out.mutable_data_ptr<scalar_t>();
+      for (int64_t b = 0; b < batch; ++b) {
+        double squares = 0;  // in float64: no float32 rounding error piles up over D
+        for (int64_t d = 0; d < dim; ++d) {
+          squares += static_cast<double>(w[b * dim + d]) * w[b * dim + d];
+        }
+        const acc divisor = std::max(static_cast<acc>(std::sqrt(squares)), static_cast<acc>(1e-12));
+        for (int64_t d = 0; d < dim; ++d) {
+          o[b * dim + d] = static_cast<scalar_t>(w[b * dim + d] / divisor);
+        }
+      }
+    });
+    return {out, wide};
+  }
+  // The L2 norm of each row (ATen's vector norm takes its order as a Scalar, which the stable ABI cannot pass).
+  const Tensor squares = torch::stable::sum(mul(wide, wide), std::vector<int64_t>{1}, /*keepdim=*/true);
+  const Tensor norm = aten("aten::sqrt", "", squares);
+  return {to_dtype(div(wide, clamp_min(norm, 1e-12)), dtype), wide};
 }
 
-std::tuple<at::Tensor, at::Tensor> mean_of_rows(const at::Tensor& hidden, const RowSelection& rows, bool normalize) {
+std::tuple<Tensor, Tensor> mean_of_rows(const Tensor& hidden, const RowSelection& rows, bool normalize) {
   const int64_t batch = hidden.size(0), dim = hidden.size(2);
-  const at::ScalarType out_type = normalize ? at::toOpMathType(hidden.scalar_type()) : hidden.scalar_type();
-  at::Tensor out;
+  const ScalarType out_type = normalize ? acc_dtype(hidden.scalar_type()) : hidden.scalar_type();
+  Tensor out;
   if (is_empty_pool(hidden)) {
-    out = at::zeros({batch, dim}, hidden.options().dtype(out_type));
+    out = zeros_on(hidden, {batch, dim}, out_type);
   } else {
     // Normalising needs the unrounded mean, so the kernel then writes it in the accumulation type.
-    out = at::empty({batch, dim}, hidden.options().dtype(out_type));
+    out = empty_on(hidden, {batch, dim}, out_type);
     kernels_for(hidden).mean_forward(hidden, rows, out);
   }
   return finish_pooled(out, hidden.scalar_type(), normalize);
 }
 
-at::Tensor mean_of_rows_backward(
-    const at::Tensor& grad, const RowSelection& rows, int64_t seq_len, std::optional<at::ScalarType> dtype) {
+Tensor mean_of_rows_backward(const Tensor& grad, const RowSelection& rows, int64_t seq_len,
+                             std::optional<ScalarType> dtype) {
   const int64_t batch = grad.size(0), dim = grad.size(1);
-  const at::ScalarType out_type = dtype.value_or(grad.scalar_type());
-  at::Tensor grad_hidden = at::empty({batch, seq_len, dim}, grad.options().dtype(out_type));
+  const ScalarType out_type = dtype.value_or(grad.scalar_type());
+  Tensor grad_hidden = empty_on(grad, {batch, seq_len, dim}, out_type);
   if (grad_hidden.numel() == 0) {
     return grad_hidden;
   }
   // grad / count once per text, in the accumulation type; the kernel multiplies by how often each row is selected.
-  at::Tensor counts;
+  Tensor counts;
+  const std::vector<int64_t> texts_dim{1};
   if (rows.mask.defined()) {
-    counts = rows.mask.sum(1, /*keepdim=*/true);
+    counts = torch::stable::sum(rows.mask, texts_dim, /*keepdim=*/true);
   } else if (rows.positions.defined()) {
-    counts = rows.positions.ge(0).sum(1, /*keepdim=*/true);
+    counts = torch::stable::sum(ge(rows.positions, 0), texts_dim, /*keepdim=*/true);
   } else {
-    counts = at::full({batch, 1}, seq_len, grad.options().dtype(at::kLong));
+    counts = full_on(grad, {batch, 1}, static_cast<double>(seq_len), ScalarType::Long);
   }
-  const at::Tensor scaled = grad.to(at::toOpMathType(out_type)).div(counts.clamp_min(1)).contiguous();
+  const Tensor scaled = as_contiguous(div(to_dtype(grad, acc_dtype(out_type)), clamp_min(counts, 1)));
   kernels_for(grad).mean_backward(scaled, rows, grad_hidden);
   return grad_hidden;
 }
 
-at::Tensor packed_mean_backward(const at::Tensor& grad, const PackedBatch& packed, const at::Tensor& times,
-                                const at::Tensor& count, std::optional<at::ScalarType> dtype) {
-  const at::ScalarType out_type = dtype.value_or(grad.scalar_type());
-  const at::Tensor scaled = grad.to(at::toOpMathType(out_type)).div(count.clamp_min(1).unsqueeze(1));
-  at::Tensor rows = scaled.index_select(0, packed.text_of_rows());
-  if (times.defined() && times.scalar_type() != at::kBool) {
-    rows.mul_(times.unsqueeze(1));  // a row listed n times: grad * n / count, rounded once, as the padded kernels
-  }
-  at::Tensor grad_hidden = rows.to(out_type);
-  if (times.defined()) {
-    grad_hidden.masked_fill_(times.eq(0).unsqueeze(1), 0);
-  }
-  return grad_hidden;
+Tensor packed_mean_backward(const Tensor& grad, const PackedBatch& packed, const Tensor& times, const Tensor& count,
+                            std::optional<ScalarType> dtype) {
+  const ScalarType out_type = dtype.value_or(grad.scalar_type());
+  const Tensor scaled =
+      div(to_dtype(grad, acc_dtype(out_type)), torch::stable::unsqueeze(clamp_min(count, 1), 1));
+  Tensor rows = index_select(scaled, 0, packed.text_of_rows());
+  if (times.defined() && times.scalar_type() != ScalarType::Bool) {
+    rows = mul(rows, torch::stable::unsqueeze(times, 1));  // a row listed n times: grad * n / count, rounded once,
+  }                                                        // as the padded kernels
+  const Tensor grad_hidden = to_dtype(rows, out_type);
+  return times.defined() ? where(torch::stable::unsqueeze(ne(times, 0), 1), grad_hidden, 0) : grad_hidden;
 }
 
-at::Tensor times_listed(const at::Tensor& positions, int64_t tokens) {
+Tensor times_listed(const Tensor& positions, int64_t tokens) {
   // Entries of -1 count into a spare last row, dropped after.
-  const at::Tensor row = at::where(positions.ge(0), positions, tokens).flatten();
-  at::Tensor times = at::zeros({tokens + 1}, positions.options());
-  times.scatter_add_(0, row, at::ones_like(row));
-  return times.narrow(0, 0, tokens);
+  const Tensor row = torch::stable::flatten(where(ge(positions, 0), positions, tokens));
+  Tensor times = zeros_on(positions, {tokens + 1}, ScalarType::Long);
+  aten("aten::scatter_add_", "", times, int64_t{0}, row, full_on(row, {row.numel()}, 1, ScalarType::Long));
+  return slice(times, 0, 0, tokens);
 }
 
 }  // namespace lmk_ops::ops

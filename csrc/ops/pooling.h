@@ -1,38 +1,37 @@
 #pragma once
 // Building blocks shared by the op implementations (pool_ops.cpp, landmark_ops.cpp), for every device. Inputs
 // are checked.
-#include <ATen/core/Tensor.h>
-
+#include <optional>
 #include <tuple>
 
 #include "common/packed.h"
-#include "common/row_selection.h"
+#include "common/tensor_ops.h"
 
 namespace lmk_ops::ops {
 
-bool is_empty_pool(const at::Tensor& hidden);
+bool is_empty_pool(const Tensor& hidden);
 
 // The pooling ops' (out, pooled) pair. With normalize: pooled [B, D] rows L2-normalised as
 // torch.nn.functional.normalize does (divide by max(norm, 1e-12)) in the accumulation type, rounded to dtype, and the
 // unrounded rows themselves. Without: the rows as they are, and an empty tensor of the accumulation type.
-std::tuple<at::Tensor, at::Tensor> finish_pooled(const at::Tensor& pooled, at::ScalarType dtype, bool normalize);
+std::tuple<Tensor, Tensor> finish_pooled(const Tensor& pooled, ScalarType dtype, bool normalize);
 
 // The mean of each text's selected rows, [B, D] in hidden's dtype (zeros for a text with none); with normalize,
 // normalized as finish_pooled does, and the unrounded means (an empty tensor without).
-std::tuple<at::Tensor, at::Tensor> mean_of_rows(const at::Tensor& hidden, const RowSelection& rows, bool normalize);
+std::tuple<Tensor, Tensor> mean_of_rows(const Tensor& hidden, const RowSelection& rows, bool normalize);
 
 // The gradient of mean_of_rows: each selected row of text b gets grad[b] * times_selected / count[b], every other
 // row zero. [B, seq_len, D] in dtype (grad's dtype when not given), rounded once from the accumulation type.
-at::Tensor mean_of_rows_backward(
-    const at::Tensor& grad, const RowSelection& rows, int64_t seq_len, std::optional<at::ScalarType> dtype);
+Tensor mean_of_rows_backward(
+    const Tensor& grad, const RowSelection& rows, int64_t seq_len, std::optional<ScalarType> dtype);
 
 // The gradient of a packed batch's mean, [T, D] in dtype: row t of text b gets grad[b] * times[t] / count[b]
 // (times undefined: every row once; bool or int64 [T]: how often row t is selected, counted in count [B]), computed
 // and rounded exactly as mean_of_rows_backward does for the padded batch, so that a text gets the same bits.
-at::Tensor packed_mean_backward(const at::Tensor& grad, const PackedBatch& packed, const at::Tensor& times,
-                                const at::Tensor& count, std::optional<at::ScalarType> dtype);
+Tensor packed_mean_backward(const Tensor& grad, const PackedBatch& packed, const Tensor& times,
+                                const Tensor& count, std::optional<ScalarType> dtype);
 
 // How often each row of a packed batch is listed in absolute positions [B, K] (-1 padded): int64 [T].
-at::Tensor times_listed(const at::Tensor& positions, int64_t tokens);
+Tensor times_listed(const Tensor& positions, int64_t tokens);
 
 }  // namespace lmk_ops::ops

@@ -1,19 +1,12 @@
 // first_token_pool and last_token_pool as one op, token_pool, for every device and both layouts: find each text's
 // first (or last) valid row, copy it out. The backward is landmark_gather_backward at the returned positions.
-#include <ATen/TensorOperators.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/arange.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/where.h>
-#include <torch/library.h>
-
 #include <optional>
 #include <tuple>
 #include <utility>
 
 #include "common/checks.h"
 #include "common/packed.h"
+#include "common/tensor_ops.h"
 #include "ops/kernels.h"
 
 namespace lmk_ops::ops {
@@ -23,16 +16,16 @@ namespace {
 // position from the text's start; -1 for a text with none. valid: bool over the rows (undefined: every row). On the
 // CPU one scan that stops at the first hit (the usual text starts with a valid token); elsewhere ATen reductions,
 // which never synchronise.
-std::tuple<at::Tensor, at::Tensor> find_rows(const at::Tensor& valid, const at::Tensor& starts,
-                                             const at::Tensor& lengths, int64_t rows, bool last) {
+std::tuple<Tensor, Tensor> find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t rows,
+                                     bool last) {
   if (starts.is_cpu()) {
     const int64_t batch = starts.size(0);
-    at::Tensor found = at::empty({batch}, starts.options()), positions = at::empty({batch, 1}, starts.options());
+    Tensor found = empty_on(starts, {batch}, ScalarType::Long), positions = empty_on(starts, {batch, 1}, ScalarType::Long);
     const bool* v = valid.defined() ? valid.const_data_ptr<bool>() : nullptr;
     const int64_t* s = starts.const_data_ptr<int64_t>();
     const int64_t* n = lengths.const_data_ptr<int64_t>();
-    int64_t* row_out = found.data_ptr<int64_t>();
-    int64_t* position_out = positions.data_ptr<int64_t>();
+    int64_t* row_out = found.mutable_data_ptr<int64_t>();
+    int64_t* position_out = positions.mutable_data_ptr<int64_t>();
     for (int64_t b = 0; b < batch; ++b) {
       row_out[b] = position_out[b] = -1;
       for (int64_t i = 0; i < n[b]; ++i) {
@@ -46,54 +39,67 @@ std::tuple<at::Tensor, at::Tensor> find_rows(const at::Tensor& valid, const at::
     }
     return {found, positions};
   }
-  at::Tensor found;
+  Tensor found;
   if (!valid.defined()) {
-    found = at::where(lengths.gt(0), last ? starts + lengths - 1 : starts, -1);
+    found = where(ge(lengths, 1), last ? sub(add(starts, lengths), 1) : starts, -1);
   } else {
     // The smallest (largest) valid row of each text: rows of other texts and invalid rows are out of the running.
-    const at::Tensor text = at::arange(starts.size(0), starts.options()).repeat_interleave(lengths, 0, rows);
-    const at::Tensor index = at::arange(rows, starts.options());
     const int64_t none = last ? -1 : rows;
-    found = at::full({starts.size(0)}, none, starts.options())
-                .scatter_reduce(0, text, at::where(valid, index, none), last ? "amax" : "amin");
-    found = at::where(found.eq(none), -1, found);
+    const Tensor candidates = where(valid, arange_on(starts, rows), none);
+    found = aten("aten::scatter_reduce", "two", full_on(starts, {starts.size(0)}, static_cast<double>(none),
+                                                        ScalarType::Long),
+                 int64_t{0}, text_of_rows(lengths, rows), candidates, std::string(last ? "amax" : "amin"), true);
+    found = where(ne(found, none), found, -1);
   }
-  return {found, at::where(found.ge(0), found - starts, -1).unsqueeze(1)};
+  return {found, torch::stable::unsqueeze(where(ge(found, 0), sub(found, starts), -1), 1)};
 }
 
-std::tuple<at::Tensor, at::Tensor> token_pool(const at::Tensor& hidden, const std::optional<at::Tensor>& mask,
-                                              bool last, const std::optional<at::Tensor>& cu_seqlens,
-                                              std::optional<int64_t> max_seqlen) {
+// A padded batch of `batch` texts of seq_len rows, as spans of its flattened rows: (starts, lengths), int64 [B].
+std::tuple<Tensor, Tensor> padded_spans(const Tensor& like, int64_t batch, int64_t seq_len) {
+  if (like.is_cpu()) {  // two loops, where the generic form costs several operator calls on a microsecond op
+    Tensor starts = empty_on(like, {batch}, ScalarType::Long), lengths = empty_on(like, {batch}, ScalarType::Long);
+    int64_t* s = starts.mutable_data_ptr<int64_t>();
+    int64_t* n = lengths.mutable_data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      s[b] = b * seq_len;
+      n[b] = seq_len;
+    }
+    return {starts, lengths};
+  }
+  return {mul(arange_on(like, batch), seq_len), full_on(like, {batch}, static_cast<double>(seq_len), ScalarType::Long)};
+}
+
+std::tuple<Tensor, Tensor> token_pool(const Tensor& hidden, const std::optional<Tensor>& mask, bool last,
+                                      const std::optional<Tensor>& cu_seqlens, std::optional<int64_t> max_seqlen) {
   const char* op = last ? "last_token_pool" : "first_token_pool";
-  at::Tensor view, rows, positions;
+  Tensor view, rows, positions;
   if (cu_seqlens.has_value()) {
     const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen);
-    const at::Tensor valid = prepare_packed_mask(op, mask, packed, hidden);
+    const Tensor valid = prepare_packed_mask(op, mask, packed, hidden);
     std::tie(rows, positions) = find_rows(valid, packed.starts, packed.lengths, hidden.size(0), last);
-    rows = rows.unsqueeze(1);  // the gather reads absolute rows of the [B, T, D] view
+    rows = torch::stable::unsqueeze(rows, 1);  // the gather reads absolute rows of the [B, T, D] view
     view = packed.batch_view(hidden);
   } else {
     check_hidden(op, hidden);
     const int64_t batch = hidden.size(0), seq_len = hidden.size(1);
-    const at::Tensor valid = prepare_mask(op, mask, batch, seq_len, hidden);
+    const Tensor valid = prepare_mask(op, mask, batch, seq_len, hidden);
     // The padded batch as texts of L rows each, one after another.
-    const auto options = hidden.options().dtype(at::kLong);
-    std::tie(rows, positions) = find_rows(valid.defined() ? valid.view({-1}) : valid,
-                                          at::arange(batch, options) * seq_len, at::full({batch}, seq_len, options),
-                                          batch * seq_len, last);
+    const auto [starts, lengths] = padded_spans(hidden, batch, seq_len);
+    std::tie(rows, positions) = find_rows(valid.defined() ? torch::stable::view(valid, {batch * seq_len}) : valid,
+                                          starts, lengths, batch * seq_len, last);
     rows = positions;  // the gather reads positions of each text
     view = hidden;
   }
-  at::Tensor out = at::empty({view.size(0), 1, view.size(2)}, hidden.options());
+  Tensor out = empty_on(hidden, {view.size(0), 1, view.size(2)}, hidden.scalar_type());
   if (out.numel() > 0) {
     kernels_for(hidden).gather_forward(view, rows, out);
   }
   // Positions from each text's start, as landmark_gather_backward takes them.
-  return {out.view({view.size(0), view.size(2)}), positions};
+  return {torch::stable::view(out, {view.size(0), view.size(2)}), positions};
 }
 
-void register_token_ops(torch::Library& m) {
-  m.impl("token_pool", &token_pool);
+void register_token_ops(torch::stable::detail::StableLibrary& m) {
+  m.impl("token_pool", TORCH_BOX(&token_pool));
 }
 
 }  // namespace

@@ -24,7 +24,8 @@ __version__: str = _C.build_info()["version"]
 def build_info() -> dict:
     """What this build was compiled against and uses at run time.
 
-    Keys: ``version``, ``torch_version`` (torch it was built against), ``cuda`` (CUDA kernels compiled in),
+    Keys: ``version``, ``torch_version`` (torch it was built against), ``min_torch`` (the oldest torch it runs with:
+    it uses PyTorch's stable ABI only), ``cuda`` (CUDA kernels compiled in),
     ``num_threads`` (threads the CPU kernels use: torch's own pool, ``torch.get_num_threads()``),
     ``cpu_capability`` (the vectorised kernel set in use: DEFAULT, AVX2 or AVX512).
     """

@@ -1,0 +1,148 @@
+#include "common/tensor_ops.h"
+
+#include <torch/csrc/stable/device.h>
+
+#include <algorithm>
+
+namespace lmk_ops {
+namespace {
+
+int32_t shim_dtype(ScalarType dtype) {
+  return torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype));
+}
+
+// A 0-d tensor holding value in like's dtype, on like's device.
+Tensor scalar_like(const Tensor& like, double value) {
+  return full_on(like, {}, value, like.scalar_type());
+}
+
+// a - alpha * b. The stable subtract passes alpha as a double, which ATen refuses for integer tensors: those go
+// through float64 and back, exactly (offsets, positions and counts stay far below 2^53).
+Tensor minus_scaled(const Tensor& a, const Tensor& b, double alpha) {
+  const ScalarType ta = a.scalar_type(), tb = b.scalar_type();
+  if (is_integral(ta) && is_integral(tb)) {
+    const ScalarType result = ta == ScalarType::Long || tb == ScalarType::Long ? ScalarType::Long : ta;
+    const auto wide = [](const Tensor& t) { return to_dtype(t, ScalarType::Double); };
+    return to_dtype(torch::stable::subtract(wide(a), wide(b), alpha), result);
+  }
+  return torch::stable::subtract(a, b, alpha);
+}
+
+}  // namespace
+
+Tensor empty_on(const Tensor& like, Sizes sizes, ScalarType dtype) {
+  std::vector<int64_t> strides(sizes.size());
+  int64_t stride = 1;
+  for (size_t i = sizes.size(); i-- > 0;) {
+    strides[i] = stride;
+    stride *= std::max<int64_t>(sizes[i], 1);
+  }
+  const torch::stable::Device device = like.device();
+  const auto device_type = torch::stable::detail::to<int32_t>(torch::stable::detail::from(device.type()));
+  AtenTensorHandle out = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(),
+                                                         strides.data(), shim_dtype(dtype), device_type,
+                                                         like.get_device_index(), &out));
+  return Tensor(out);
+}
+
+Tensor zeros_on(const Tensor& like, Sizes sizes, ScalarType dtype) {
+  Tensor t = empty_on(like, sizes, dtype);
+  torch::stable::zero_(t);
+  return t;
+}
+
+Tensor full_on(const Tensor& like, Sizes sizes, double value, ScalarType dtype) {
+  return torch::stable::fill_(empty_on(like, sizes, dtype), value);
+}
+
+Tensor as_strided(const Tensor& t, Sizes sizes, Sizes strides) {
+  AtenTensorHandle out = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch__reinterpret_tensor(t.get(), static_cast<int64_t>(sizes.size()),
+                                                               sizes.data(), strides.data(), t.storage_offset(),
+                                                               &out));
+  return Tensor(out);
+}
+
+Tensor slice(const Tensor& t, int64_t dim, int64_t start, int64_t length) {
+  Tensor view = t;  // stable narrow takes a mutable reference; it returns a new view all the same
+  return torch::stable::narrow(view, dim, start, length);
+}
+
+Tensor as_contiguous(const Tensor& t) {
+  return t.is_contiguous() ? t : torch::stable::contiguous(t);
+}
+
+Tensor to_dtype(const Tensor& t, ScalarType dtype) {
+  return t.scalar_type() == dtype ? t : torch::stable::to(t, dtype);
+}
+
+std::vector<int64_t> int64_values(const Tensor& t) {
+  Tensor values = as_contiguous(to_dtype(t, ScalarType::Long));
+  if (!values.is_cpu()) {
+    values = torch::stable::to(values, torch::stable::Device(torch::headeronly::DeviceType::CPU));
+  }
+  const int64_t* data = values.const_data_ptr<int64_t>();
+  return std::vector<int64_t>(data, data + values.numel());
+}
+
+Tensor add(const Tensor& a, const Tensor& b) {
+  return minus_scaled(a, b, -1.0);
+}
+
+Tensor sub(const Tensor& a, const Tensor& b) {
+  return minus_scaled(a, b, 1.0);
+}
+
+Tensor sub(const Tensor& a, int64_t b) {
+  return sub(a, scalar_like(a, static_cast<double>(b)));
+}
+
+// An ATen binary operator's Tensor overload, and its form with an integer operand (a 0-d tensor of a's dtype).
+#define LMK_OPS_BINARY(fn, name)                                 \
+  Tensor fn(const Tensor& a, const Tensor& b) {                  \
+    return aten(name, "Tensor", a, b);                           \
+  }                                                              \
+  Tensor fn(const Tensor& a, int64_t b) {                        \
+    return fn(a, scalar_like(a, static_cast<double>(b)));        \
+  }
+LMK_OPS_BINARY(mul, "aten::mul")
+LMK_OPS_BINARY(div, "aten::div")
+LMK_OPS_BINARY(ge, "aten::ge")
+LMK_OPS_BINARY(lt, "aten::lt")
+LMK_OPS_BINARY(ne, "aten::ne")
+#undef LMK_OPS_BINARY
+
+Tensor clamp_min(const Tensor& a, double b) {
+  return aten("aten::clamp_min", "Tensor", a, scalar_like(a, b));
+}
+
+Tensor index_select(const Tensor& t, int64_t dim, const Tensor& index) {
+  return aten("aten::index_select", "", t, dim, index);
+}
+
+Tensor index_copy(const Tensor& dst, int64_t dim, const Tensor& index, const Tensor& source) {
+  return aten("aten::index_copy_", "", dst, dim, index, source);
+}
+
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
+  return aten("aten::where", "self", cond, a, b);
+}
+
+Tensor where(const Tensor& cond, const Tensor& a, int64_t b) {
+  return where(cond, a, scalar_like(a, static_cast<double>(b)));
+}
+
+Tensor arange_on(const Tensor& like, int64_t n) {
+  // ATen's arange takes Scalars: counted up from ones instead (exact: int64 throughout).
+  return sub(aten("aten::cumsum", "", full_on(like, {n}, 1, ScalarType::Long), int64_t{0},
+                  std::optional<ScalarType>()),
+             int64_t{1});
+}
+
+Tensor text_of_rows(const Tensor& lengths, int64_t rows) {
+  return aten("aten::repeat_interleave", "self_Tensor", arange_on(lengths, lengths.size(0)), lengths,
+              std::optional<int64_t>(0), std::optional<int64_t>(rows));
+}
+
+}  // namespace lmk_ops

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Usage: build_wheels.sh [OUT [cpu|all]]. Builds lmk_ops' wheels into OUT (default dist/): OUT/cpu/ against the
-# torch of .venv (scripts/setup.sh makes it) and, unless "cpu" is given, OUT/cu130/ against the CUDA build of torch
+# Usage: build_wheels.sh [OUT [cpu|cuda|all]]. Builds lmk_ops' wheels into OUT (default dist/): OUT/cpu/ against the
+# torch of .venv (scripts/setup.sh makes it) and OUT/cu130/ against the CUDA build of torch
 # 2.13.0 (the cached environment of scripts/cuda_env.sh), with kernels for sm_80 and sm_90 (TORCH_CUDA_ARCH_LIST
 # overrides). auditwheel then gives each a manylinux tag and checks that it carries none of torch's, c10's or CUDA's
 # libraries: the user's torch provides those. The extension is on PyTorch's stable ABI, so each wheel runs with any
@@ -20,14 +20,14 @@ repair() {
     --exclude 'libtorch*.so*' --exclude 'libc10*.so*' --exclude 'libcudart.so*' --exclude 'libcuda.so*' "$1"/*.whl
 }
 
-"$py" -m pip wheel -q --no-build-isolation --no-deps -w "$tmp/cpu" .
-repair "$tmp/cpu" "$out/cpu"
-if [ "$which" = cpu ]; then
-  exit 0
+if [ "$which" != cuda ]; then
+  "$py" -m pip wheel -q --no-build-isolation --no-deps -w "$tmp/cpu" .
+  repair "$tmp/cpu" "$out/cpu"
 fi
-
-source scripts/cuda_env.sh  # sets cuda_py
-TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0}" "$cuda_py" -m pip wheel -q --no-build-isolation --no-deps \
-  -C cmake.define.LMK_OPS_CUDA=ON -C "build-dir=build/cuda-wheel-{wheel_tag}" -w "$tmp/cu130" .
-repair "$tmp/cu130" "$out/cu130"
-ls -l "$out"/cpu "$out"/cu130
+if [ "$which" != cpu ]; then
+  source scripts/cuda_env.sh  # sets cuda_py
+  TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0}" "$cuda_py" -m pip wheel -q --no-build-isolation --no-deps \
+    -C cmake.define.LMK_OPS_CUDA=ON -C "build-dir=build/cuda-wheel-{wheel_tag}" -w "$tmp/cu130" .
+  repair "$tmp/cu130" "$out/cu130"
+fi
+ls -l "$out"/*

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# Proves that the CUDA build compiles and imports, on any machine (no GPU needed): builds lmk_ops with
-# LMK_OPS_CUDA=ON against the CUDA build of torch 2.13.0 in a cached environment, imports it, and checks that every
-# op has a CUDA kernel registered. Running the kernels needs a GPU: the test suite does that where one is present.
+# Proves that the CUDA build compiles, packages and imports, on any machine (no GPU needed): builds the CUDA wheel
+# (scripts/build_wheels.sh: against the CUDA build of torch 2.13.0 in a cached environment, kernels for sm_80 and
+# sm_90), checks its manylinux tag and contents, installs it there, checks that every op has a CUDA kernel registered
+# and that the extension references no libtorch/libc10 C++ symbol (tests/test_stable_abi.py). Running the kernels
+# needs a GPU: the test suite does that where one is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+root="$PWD"
 source scripts/cuda_env.sh  # sets cuda_py: the cached environment with the CUDA build of torch 2.13.0 (made once)
 py="$cuda_py"
-
-# No GPU here to detect: the architectures are named (Hopper by default; TORCH_CUDA_ARCH_LIST overrides).
-export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
-"$py" -m pip install -q --no-build-isolation --no-deps --force-reinstall \
-  -C cmake.define.LMK_OPS_CUDA=ON -C "build-dir=build/cuda-{wheel_tag}" .
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+bash scripts/build_wheels.sh "$tmp/dist" cuda
+wheel="$(ls "$tmp"/dist/cu130/*.whl)"
+bash scripts/check_wheel.sh "$wheel"
+"$py" -m pip install -q --no-deps --force-reinstall "$wheel"
 
 # Outside the checkout, so that the installed package (not python/lmk_ops) is imported.
 cd /
@@ -29,3 +33,4 @@ print(f"cuda_build_check: lmk_ops {info['version']} built against torch {torch._
       f"(CUDA {torch.version.cuda}); CUDA kernels registered for all {len(ops)} ops; "
       f"GPU present: {torch.cuda.is_available()}")
 PY
+"$py" -m pytest -q -p no:cacheprovider "$root/tests/test_stable_abi.py"

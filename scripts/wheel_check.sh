@@ -12,13 +12,7 @@ tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 bash scripts/build_wheels.sh "$tmp/dist" cpu
 wheel="$(ls "$tmp"/dist/cpu/*.whl)"
-case "$(basename "$wheel")" in
-  lmk_ops-*-manylinux_*_x86_64.whl) ;;
-  *) echo "wheel_check: expected a manylinux x86_64 wheel, got $(basename "$wheel")" >&2; exit 1 ;;
-esac
-strays="$(.venv/bin/python -m zipfile -l "$wheel" | awk 'NR > 1 {print $1}' | grep -v -E '^lmk_ops/|^lmk_ops-[^/]*\.dist-info/' || true)"
-[ -z "$strays" ] || { echo "wheel_check: files outside the package in the wheel: $strays" >&2; exit 1; }
-echo "wheel_check: $(basename "$wheel") holds only lmk_ops"
+bash scripts/check_wheel.sh "$wheel"
 
 for version in ${LMK_OPS_WHEEL_TORCH:-2.13.0 2.10.0}; do
   started=$SECONDS

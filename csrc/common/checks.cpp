@@ -94,11 +94,18 @@ Tensor prepare_mask(
     const Tensor as_long = as_contiguous(to_dtype(m, ScalarType::Long));  // no copy for the usual int64 mask
     Tensor valid = empty_on(m, {batch, seq_len}, ScalarType::Bool);
     const int64_t* v = as_long.const_data_ptr<int64_t>();
-    bool* out = valid.mutable_data_ptr<bool>();
-    for (int64_t i = 0; i < as_long.numel(); ++i) {
-      if (values == Values::kCheck && (v[i] < 0 || v[i] > 1)) {
-        check_values(as_long);  // raises, naming the value and where it is
+    const int64_t n = as_long.numel();
+    if (values == Values::kCheck) {
+      uint64_t outside = 0;  // bits above the lowest of any value: nonzero when one is not 0/1 (branch-free, so the
+      for (int64_t i = 0; i < n; ++i) {  // loop vectorises)
+        outside |= static_cast<uint64_t>(v[i]) >> 1;
       }
+      if (outside != 0) {
+        check_values(as_long);  // raises, naming the first value outside and where it is
+      }
+    }
+    bool* out = valid.mutable_data_ptr<bool>();
+    for (int64_t i = 0; i < n; ++i) {
       out[i] = v[i] != 0;
     }
     return valid;

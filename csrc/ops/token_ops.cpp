@@ -12,15 +12,16 @@
 namespace lmk_ops::ops {
 namespace {
 
-// Each text's first (or last) valid row: as an absolute row number of its span [start, start + length), and as a
-// position from the text's start; -1 for a text with none. valid: bool over the rows (undefined: every row). On the
+// Each text's first (or last) valid row, as [B, 1] columns: an absolute row number of its span [start, start +
+// length), and a position from the text's start; -1 for a text with none. valid: bool over the rows (undefined: every row). On the
 // CPU one scan that stops at the first hit (the usual text starts with a valid token); elsewhere ATen reductions,
 // which never synchronise.
 std::tuple<Tensor, Tensor> find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t rows,
                                      bool last) {
   if (starts.is_cpu()) {
     const int64_t batch = starts.size(0);
-    Tensor found = empty_on(starts, {batch}, ScalarType::Long), positions = empty_on(starts, {batch, 1}, ScalarType::Long);
+    Tensor found = empty_on(starts, {batch, 1}, ScalarType::Long);
+    Tensor positions = empty_on(starts, {batch, 1}, ScalarType::Long);
     const bool* v = valid.defined() ? valid.const_data_ptr<bool>() : nullptr;
     const int64_t* s = starts.const_data_ptr<int64_t>();
     const int64_t* n = lengths.const_data_ptr<int64_t>();
@@ -51,7 +52,8 @@ std::tuple<Tensor, Tensor> find_rows(const Tensor& valid, const Tensor& starts, 
                  int64_t{0}, text_of_rows(lengths, rows), candidates, std::string(last ? "amax" : "amin"), true);
     found = where(ne(found, none), found, -1);
   }
-  return {found, torch::stable::unsqueeze(where(ge(found, 0), sub(found, starts), -1), 1)};
+  const auto column = [](const Tensor& t) { return torch::stable::unsqueeze(t, 1); };
+  return {column(found), column(where(ge(found, 0), sub(found, starts), -1))};
 }
 
 // A padded batch of `batch` texts of seq_len rows, as spans of its flattened rows: (starts, lengths), int64 [B].
@@ -77,7 +79,6 @@ std::tuple<Tensor, Tensor> token_pool(const Tensor& hidden, const std::optional<
     const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen);
     const Tensor valid = prepare_packed_mask(op, mask, packed, hidden);
     std::tie(rows, positions) = find_rows(valid, packed.starts, packed.lengths, hidden.size(0), last);
-    rows = torch::stable::unsqueeze(rows, 1);  // the gather reads absolute rows of the [B, T, D] view
     view = packed.batch_view(hidden);
   } else {
     check_hidden(op, hidden);

@@ -25,53 +25,37 @@ Tensor selected_before(const Tensor& selected) {
 }
 
 // The values of a packed batch's offsets: first 0, last T, non-decreasing, no text longer than max_seqlen; a
-// failure names the entry as check_range does. On the CPU plain loops over the B + 1 offsets, with the messages
-// written only on failure (four kernel calls would cost more than a first_token_pool's work); elsewhere the device's
-// check_range, which never synchronises.
+// failure names the entry (check_range's message). On the CPU plain loops over the B + 1 offsets decide, and only a
+// bad batch goes on to check_range, which then raises (four kernel calls would cost more than a first_token_pool's
+// work); elsewhere check_range checks on the device, without synchronising.
 void check_offsets(const char* op, const PackedBatch& packed, const Tensor& like) {
   const int64_t longest = packed.max_seqlen.value_or(std::numeric_limits<int64_t>::max());
-  const auto first_zero = [&] { return message(op, "expected cu_seqlens[0] = 0"); };
-  const auto last_tokens = [&] {
-    return message(op, "expected cu_seqlens[-1] = T = " + std::to_string(packed.tokens) + " (hidden's rows)");
-  };
-  const auto ordered = [&] {
-    return message(op, "expected non-decreasing cu_seqlens (text b has cu_seqlens[b + 1] - cu_seqlens[b] >= 0 "
-                       "tokens; the value is that length, the column b)");
-  };
-  const auto at_most = [&] {
-    return message(op, "expected every text at most max_seqlen = " + std::to_string(longest) +
-                           " tokens long (the value is a text's length, the column its index)");
-  };
   if (packed.offsets.is_cpu()) {
     const int64_t* o = packed.offsets.const_data_ptr<int64_t>();
     const int64_t* n = packed.lengths.const_data_ptr<int64_t>();
-    const int64_t* end = n + packed.batch;
-    const auto fail_at = [](const std::string& expected, int64_t value, int64_t column) {
-      fail(expected, ", got ", value, " at [0, ", column, "]");
-    };
-    if (o[0] != 0) {
-      fail_at(first_zero(), o[0], 0);
+    const bool lengths_fit =
+        std::all_of(n, n + packed.batch, [&](int64_t length) { return length >= 0 && length <= longest; });
+    if (o[0] == 0 && o[packed.batch] == packed.tokens && lengths_fit) {
+      return;
     }
-    if (o[packed.batch] != packed.tokens) {
-      fail_at(last_tokens(), o[packed.batch], 0);
-    }
-    if (const int64_t* bad = std::find_if(n, end, [](int64_t length) { return length < 0; }); bad != end) {
-      fail_at(ordered(), *bad, bad - n);
-    }
-    if (const int64_t* bad = std::find_if(n, end, [&](int64_t length) { return length > longest; }); bad != end) {
-      fail_at(at_most(), *bad, bad - n);
-    }
-    return;
   }
   const Kernels& k = kernels_for(like);
   const auto entry = [&](int64_t i) { return torch::stable::view(slice(packed.offsets, 0, i, 1), {1, 1}); };
-  k.check_range(entry(0), 0, 0, first_zero(), false);
-  k.check_range(entry(packed.batch), packed.tokens, packed.tokens, last_tokens(), false);
+  k.check_range(entry(0), 0, 0, message(op, "expected cu_seqlens[0] = 0"), false);
+  k.check_range(entry(packed.batch), packed.tokens, packed.tokens,
+                message(op, "expected cu_seqlens[-1] = T = " + std::to_string(packed.tokens) + " (hidden's rows)"),
+                false);
   if (packed.batch > 0) {
     const Tensor lengths = torch::stable::view(packed.lengths, {1, packed.batch});
-    k.check_range(lengths, 0, std::numeric_limits<int64_t>::max(), ordered(), false);
+    k.check_range(lengths, 0, std::numeric_limits<int64_t>::max(),
+                  message(op, "expected non-decreasing cu_seqlens (text b has cu_seqlens[b + 1] - cu_seqlens[b] >= 0 "
+                              "tokens; the value is that length, the column b)"),
+                  false);
     if (packed.max_seqlen.has_value()) {
-      k.check_range(lengths, 0, longest, at_most(), false);
+      k.check_range(lengths, 0, longest,
+                    message(op, "expected every text at most max_seqlen = " + std::to_string(longest) +
+                                    " tokens long (the value is a text's length, the column its index)"),
+                    false);
     }
   }
 }
@@ -229,7 +213,7 @@ PackedBatch prepare_packed_grad(const char* op, const Tensor& grad, int64_t toke
 }
 
 Tensor prepare_packed_mask(const char* op, const std::optional<Tensor>& mask, const PackedBatch& packed,
-                               const Tensor& like, Values values) {
+                           const Tensor& like, Values values) {
   if (!mask.has_value() || !mask->defined()) {
     return Tensor();
   }
@@ -241,7 +225,7 @@ Tensor prepare_packed_mask(const char* op, const std::optional<Tensor>& mask, co
 }
 
 Tensor prepare_packed_positions(const char* op, const Tensor& positions, const PackedBatch& packed,
-                                    const Tensor& like, Values values) {
+                                const Tensor& like, Values values) {
   // Shape, dtype and device as for the padded positions; the range is each text's own length.
   const Tensor p = prepare_positions(op, positions, packed.batch, std::numeric_limits<int64_t>::max(), like,
                                          Values::kTrusted);
@@ -258,7 +242,7 @@ Tensor prepare_packed_positions(const char* op, const Tensor& positions, const P
 }
 
 Tensor prepare_packed_landmark_mask(const char* op, const Tensor& landmarks, const PackedBatch& packed,
-                                        const Tensor& like) {
+                                    const Tensor& like) {
   check_landmarks_device(op, landmarks, like);
   LMK_CHECK(
       landmarks.dim() == 1 && landmarks.size(0) == packed.tokens, "lmk_ops.", op,

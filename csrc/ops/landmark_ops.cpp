@@ -15,8 +15,8 @@ namespace {
 // The mean over the landmark rows only: the kernel reads those rows and nothing else, so the cost grows with the
 // number of landmarks, not with L.
 std::tuple<Tensor, Tensor> landmark_mean(const Tensor& hidden, const Tensor& landmarks, bool normalize,
-                                                 const std::optional<Tensor>& cu_seqlens,
-                                                 std::optional<int64_t> max_seqlen) {
+                                         const std::optional<Tensor>& cu_seqlens,
+                                         std::optional<int64_t> max_seqlen) {
   constexpr const char* op = "landmark_mean";
   if (cu_seqlens.has_value()) {
     const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen);
@@ -28,7 +28,7 @@ std::tuple<Tensor, Tensor> landmark_mean(const Tensor& hidden, const Tensor& lan
 }
 
 Tensor landmark_mean_backward(const Tensor& grad, const Tensor& landmarks, int64_t seq_len,
-                                  std::optional<ScalarType> dtype, const std::optional<Tensor>& cu_seqlens) {
+                              std::optional<ScalarType> dtype, const std::optional<Tensor>& cu_seqlens) {
   constexpr const char* op = "landmark_mean_backward";
   check_pooled_grad(op, grad);
   check_grad_dtype(op, dtype);
@@ -48,7 +48,7 @@ Tensor landmark_mean_backward(const Tensor& grad, const Tensor& landmarks, int64
 }
 
 Tensor landmark_gather(const Tensor& hidden, const Tensor& positions,
-                           const std::optional<Tensor>& cu_seqlens) {
+                       const std::optional<Tensor>& cu_seqlens) {
   constexpr const char* op = "landmark_gather";
   Tensor view, p;
   if (cu_seqlens.has_value()) {
@@ -68,7 +68,7 @@ Tensor landmark_gather(const Tensor& hidden, const Tensor& positions,
 }
 
 Tensor landmark_gather_backward(const Tensor& grad, const Tensor& positions, int64_t seq_len,
-                                    const std::optional<Tensor>& cu_seqlens) {
+                                const std::optional<Tensor>& cu_seqlens) {
   constexpr const char* op = "landmark_gather_backward";
   check_grad(op, grad, 3, "[B, K, D]");
   LMK_CHECK(seq_len >= 0, "lmk_ops.", op, ": expected seq_len >= 0, got ", seq_len);

@@ -15,8 +15,8 @@ namespace lmk_ops::ops {
 namespace {
 
 std::tuple<Tensor, Tensor> mean_pool(const Tensor& hidden, const std::optional<Tensor>& mask,
-                                             bool normalize, const std::optional<Tensor>& cu_seqlens,
-                                             std::optional<int64_t> max_seqlen) {
+                                     bool normalize, const std::optional<Tensor>& cu_seqlens,
+                                     std::optional<int64_t> max_seqlen) {
   constexpr const char* op = "mean_pool";
   if (cu_seqlens.has_value()) {
     const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen);
@@ -57,7 +57,7 @@ void check_argmax_rows(const char* op, const char* name, int64_t rows) {
 }
 
 std::tuple<Tensor, Tensor, Tensor> max_of_rows(const Tensor& hidden, const RowSelection& rows,
-                                                           bool normalize) {
+                                               bool normalize) {
   const int64_t batch = hidden.size(0), dim = hidden.size(2);
   Tensor out, argmax;
   if (is_empty_pool(hidden)) {
@@ -74,8 +74,8 @@ std::tuple<Tensor, Tensor, Tensor> max_of_rows(const Tensor& hidden, const RowSe
 }
 
 std::tuple<Tensor, Tensor, Tensor> max_pool(const Tensor& hidden, const std::optional<Tensor>& mask,
-                                                        bool normalize, const std::optional<Tensor>& cu_seqlens,
-                                                        std::optional<int64_t> max_seqlen) {
+                                            bool normalize, const std::optional<Tensor>& cu_seqlens,
+                                            std::optional<int64_t> max_seqlen) {
   constexpr const char* op = "max_pool";
   if (cu_seqlens.has_value()) {
     const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen);
@@ -93,7 +93,7 @@ std::tuple<Tensor, Tensor, Tensor> max_pool(const Tensor& hidden, const std::opt
 }
 
 Tensor max_pool_backward(const Tensor& grad, const Tensor& argmax, int64_t seq_len,
-                             const std::optional<Tensor>& cu_seqlens) {
+                         const std::optional<Tensor>& cu_seqlens) {
   constexpr const char* op = "max_pool_backward";
   check_pooled_grad(op, grad);
   LMK_CHECK(

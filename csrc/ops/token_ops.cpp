@@ -13,9 +13,9 @@ namespace lmk_ops::ops {
 namespace {
 
 // Each text's first (or last) valid row, as [B, 1] columns: an absolute row number of its span [start, start +
-// length), and a position from the text's start; -1 for a text with none. valid: bool over the rows (undefined: every row). On the
-// CPU one scan that stops at the first hit (the usual text starts with a valid token); elsewhere ATen reductions,
-// which never synchronise.
+// length), and a position from the text's start; -1 for a text with none. valid: bool over the rows (undefined:
+// every row). On the CPU one scan that stops at the first hit (the usual text starts with a valid token); elsewhere
+// ATen reductions, which never synchronise.
 std::tuple<Tensor, Tensor> find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t rows,
                                      bool last) {
   if (starts.is_cpu()) {

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <torch/csrc/stable/ops.h>
 
+#include "common/host_path.h"
 #include "ops/kernels.h"
 
 namespace py = pybind11;
@@ -22,6 +23,8 @@ PYBIND11_MODULE(_C, m) {
 #else
         info["cuda"] = false;
 #endif
+        // A test build (LMK_OPS_CPU_TWIN, common/host_path.h): CPU tensors take the paths CUDA runs.
+        info["cpu_twin"] = lmk_ops::kCpuTwin;
         info["num_threads"] = static_cast<int64_t>(torch::stable::get_num_threads());
         info["cpu_capability"] = lmk_ops::cpu::kernels_capability();
         return info;

@@ -7,6 +7,7 @@
 
 #include "common/device_name.h"
 #include "common/error.h"
+#include "common/host_path.h"
 #include "ops/kernels.h"
 
 namespace lmk_ops {
@@ -90,7 +91,7 @@ Tensor prepare_mask(
     kernels_for(m).check_range(as_long, 0, 1, std::string("lmk_ops.") + op + ": expected mask values 0 or 1",
                                /*landmarks=*/false);
   };
-  if (m.is_cpu()) {  // one pass that checks and converts, where the generic form costs several operator calls
+  if (takes_host_path(m)) {  // one pass that checks and converts, where the generic form costs several operator calls
     const Tensor as_long = as_contiguous(to_dtype(m, ScalarType::Long));  // no copy for the usual int64 mask
     Tensor valid = empty_on(m, {batch, seq_len}, ScalarType::Bool);
     const int64_t* v = as_long.const_data_ptr<int64_t>();

@@ -7,6 +7,7 @@
 #include "common/dispatch.h"
 #include "common/device_name.h"
 #include "common/error.h"
+#include "common/host_path.h"
 #include "ops/kernels.h"
 
 namespace lmk_ops {
@@ -30,7 +31,7 @@ Tensor selected_before(const Tensor& selected) {
 // work); elsewhere check_range checks on the device, without synchronising.
 void check_offsets(const char* op, const PackedBatch& packed, const Tensor& like) {
   const int64_t longest = packed.max_seqlen.value_or(std::numeric_limits<int64_t>::max());
-  if (packed.offsets.is_cpu()) {
+  if (takes_host_path(packed.offsets)) {
     const int64_t* o = packed.offsets.const_data_ptr<int64_t>();
     const int64_t* n = packed.lengths.const_data_ptr<int64_t>();
     const bool lengths_fit =
@@ -86,7 +87,7 @@ Tensor PackedBatch::absolute(const Tensor& positions) const {
 }
 
 Tensor PackedBatch::relative(const Tensor& rows) const {
-  if (rows.is_cpu()) {  // one loop: a max_pool's [B, D] positions through three ATen ops cost 5% of its time
+  if (takes_host_path(rows)) {  // one loop: a max_pool's [B, D] positions through three ATen ops cost 5% of its time
     Tensor out = torch::stable::clone(as_contiguous(rows));
     const int64_t* s = starts.const_data_ptr<int64_t>();
     const int64_t width = rows.size(1);
@@ -102,7 +103,7 @@ Tensor PackedBatch::relative(const Tensor& rows) const {
 }
 
 Tensor PackedBatch::list_rows(const Tensor& selected) const {
-  if (offsets.is_cpu()) {  // two passes over the rows (count, list), where the ATen form below takes several
+  if (takes_host_path(offsets)) {  // two passes over the rows (count, list), where the ATen form below takes several
     const int64_t* o = offsets.const_data_ptr<int64_t>();
     const bool* s = selected.defined() ? selected.const_data_ptr<bool>() : nullptr;
     const auto selected_in = [&](int64_t b) {
@@ -142,7 +143,7 @@ Tensor PackedBatch::list_rows(const Tensor& selected) const {
 }
 
 RowSelection PackedBatch::selection(const Tensor& selected) const {
-  if (offsets.is_cpu() && !selected.defined()) {
+  if (takes_host_path(offsets) && !selected.defined()) {
     return {Tensor(), Tensor(), as_contiguous(starts), as_contiguous(lengths)};
   }
   return {Tensor(), list_rows(selected)};
@@ -171,7 +172,7 @@ PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, c
   packed.batch = cu_seqlens.size(0) - 1;
   packed.tokens = tokens;
   packed.max_seqlen = max_seqlen;
-  if (cu_seqlens.is_cpu()) {  // one loop: the ATen ops would cost more than the work (a first_token_pool's share)
+  if (takes_host_path(cu_seqlens)) {  // one loop: ATen ops would cost more than the work (a first_token_pool's share)
     packed.offsets = empty_on(cu_seqlens, {packed.batch + 1}, ScalarType::Long);
     packed.lengths = empty_on(cu_seqlens, {packed.batch}, ScalarType::Long);
     int64_t* o = packed.offsets.mutable_data_ptr<int64_t>();

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/host_path.h"
 #include "common/packed.h"
 #include "common/tensor_ops.h"
 #include "ops/kernels.h"
@@ -83,7 +84,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_pool(const Tensor& hidden_in, const
     const Heads heads = check_query(op, query, view);
     const double s = resolve_scale(op, scale, heads.dim);
     const Tensor valid = prepare_packed_mask(op, mask, packed, hidden);
-    if (hidden.is_cpu()) {
+    if (takes_host_path(hidden)) {
       return attention_forward(view, packed_rows(packed, valid), query, heads, s, return_weights);
     }
     const PaddedCopy copy = pad_packed(hidden, packed, valid);
@@ -149,7 +150,7 @@ std::tuple<Tensor, Tensor> attention_pool_backward(
     const int64_t batch = packed.batch, dim = hidden.size(1);
     check_backward_inputs(op, grad, gw, out, stats, batch, dim, heads, {heads.count, packed.tokens}, hidden);
     const Tensor valid = prepare_packed_mask(op, mask, packed, hidden, Values::kTrusted);
-    if (hidden.is_cpu()) {
+    if (takes_host_path(hidden)) {
       return attention_backward(grad, gw, view, packed_rows(packed, valid), query, heads, out, stats, s);
     }
     const PaddedCopy copy = pad_packed(hidden, packed, valid);

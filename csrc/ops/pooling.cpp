@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "common/dispatch.h"
+#include "common/host_path.h"
 #include "ops/kernels.h"
 
 namespace lmk_ops::ops {
@@ -17,7 +18,7 @@ std::tuple<Tensor, Tensor> finish_pooled(const Tensor& pooled, ScalarType dtype,
     return {pooled, empty_on(pooled, {0}, acc_dtype(dtype))};
   }
   const Tensor wide = as_contiguous(to_dtype(pooled, acc_dtype(dtype)));
-  if (wide.is_cpu()) {  // one pass per row, where the generic form below costs six operator calls
+  if (takes_host_path(wide)) {  // one pass per row, where the generic form below costs six operator calls
     const int64_t batch = wide.size(0), dim = wide.size(1);
     Tensor out = empty_on(wide, {batch, dim}, dtype);
     LMK_DISPATCH_FLOATING(dtype, "normalize", [&] {

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "common/checks.h"
+#include "common/host_path.h"
 #include "common/packed.h"
 #include "common/tensor_ops.h"
 #include "ops/kernels.h"
@@ -18,7 +19,7 @@ namespace {
 // ATen reductions, which never synchronise.
 std::tuple<Tensor, Tensor> find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t rows,
                                      bool last) {
-  if (starts.is_cpu()) {
+  if (takes_host_path(starts)) {
     const int64_t batch = starts.size(0);
     Tensor found = empty_on(starts, {batch, 1}, ScalarType::Long);
     Tensor positions = empty_on(starts, {batch, 1}, ScalarType::Long);
@@ -58,7 +59,7 @@ std::tuple<Tensor, Tensor> find_rows(const Tensor& valid, const Tensor& starts, 
 
 // A padded batch of `batch` texts of seq_len rows, as spans of its flattened rows: (starts, lengths), int64 [B].
 std::tuple<Tensor, Tensor> padded_spans(const Tensor& like, int64_t batch, int64_t seq_len) {
-  if (like.is_cpu()) {  // two loops, where the generic form costs several operator calls on a microsecond op
+  if (takes_host_path(like)) {  // two loops, where the generic form costs several operator calls on a microsecond op
     Tensor starts = empty_on(like, {batch}, ScalarType::Long), lengths = empty_on(like, {batch}, ScalarType::Long);
     int64_t* s = starts.mutable_data_ptr<int64_t>();
     int64_t* n = lengths.mutable_data_ptr<int64_t>();

@@ -27,7 +27,8 @@ def build_info() -> dict:
     Keys: ``version``, ``torch_version`` (torch it was built against), ``min_torch`` (the oldest torch it runs with:
     it uses PyTorch's stable ABI only), ``cuda`` (CUDA kernels compiled in),
     ``num_threads`` (threads the CPU kernels use: torch's own pool, ``torch.get_num_threads()``),
-    ``cpu_capability`` (the vectorised kernel set in use: DEFAULT, AVX2 or AVX512).
+    ``cpu_capability`` (the vectorised kernel set in use: DEFAULT, AVX2 or AVX512), ``cpu_twin`` (a test build whose
+    CPU tensors take the op-layer paths a CUDA build runs; False in every release).
     """
     return dict(_C.build_info())
 

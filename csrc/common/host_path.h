@@ -1,0 +1,21 @@
+#pragma once
+// Where the op layer has two ways to do a small piece of work: plain loops over host memory (CPU tensors only, for
+// speed: a few operator calls cost more than the work), or the device-generic composition of tensor operations that
+// CUDA runs. A build configured with LMK_OPS_CPU_TWIN=ON sends CPU tensors down the device-generic paths too, so
+// that the suite checks, on a machine without a GPU, the op-layer code a CUDA build runs (the kernels stay CPU's).
+#include <torch/csrc/stable/tensor.h>
+
+namespace lmk_ops {
+
+#ifdef LMK_OPS_CPU_TWIN
+constexpr bool kCpuTwin = true;
+#else
+constexpr bool kCpuTwin = false;
+#endif
+
+// Whether t's work may take the host-loop path.
+inline bool takes_host_path(const torch::stable::Tensor& t) {
+  return !kCpuTwin && t.is_cpu();
+}
+
+}  // namespace lmk_ops

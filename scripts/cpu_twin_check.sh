@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The CPU twin of the CUDA op layer. Builds lmk_ops with LMK_OPS_CPU_TWIN=ON, in which CPU tensors take the
+# device-generic paths a CUDA build runs instead of the host loops (csrc/common/host_path.h), into
+# build/cpu-twin-pkg (the .venv install is left alone), and runs the test suite against it: the op-layer code that
+# CUDA runs is so checked on a machine without a GPU. Needs .venv (scripts/setup.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+target="$PWD/build/cpu-twin-pkg"
+rm -rf "$target"
+.venv/bin/pip install -q --no-build-isolation --no-deps --target "$target" \
+  --config-settings=build-dir=build/cpu-twin --config-settings=cmake.define.LMK_OPS_CPU_TWIN=ON .
+export PYTHONPATH="$target"
+.venv/bin/python -c "
+import lmk_ops
+info = lmk_ops.build_info()
+assert lmk_ops.__file__.startswith('$target') and info['cpu_twin'], (lmk_ops.__file__, info)
+print('lmk_ops CPU twin', info)"
+.venv/bin/python -m pytest -q tests -p no:cacheprovider "$@"

@@ -2,8 +2,9 @@
 # The one command for a GPU machine (one H100 or H200, no network, see ../shared/GPU.md): builds lmk_ops with its
 # CUDA kernels against the torch installed there, using every core; runs tests/test_cuda.py (stopping at the first
 # failure), then the rest of the suite's CUDA cases; then compute-sanitizer's memcheck, racecheck, synccheck and
-# initcheck on scripts/cuda_kernel_tour.py, which launches every kernel; then the CUDA benchmark report and
-# bench/end_to_end.py (a BERT-base training step and inference, lmk_ops against sentence-transformers' pooling).
+# initcheck on scripts/cuda_kernel_tour.py, which launches every kernel; then the CUDA benchmark report, the CPU
+# kernels' thread scaling on one long text (scripts/cpu_scaling.py: 1, 4 and all cores) and bench/end_to_end.py (a
+# BERT-base training step and inference, lmk_ops against sentence-transformers' pooling).
 # Each step's log, the JUnit results and the JSON go to RESULTS_DIR, and a summary is printed at the end. Usage:
 #   bash scripts/gpu_check.sh RESULTS_DIR
 # The build here is against this machine's torch (2.11), and is on the stable ABI like every build. To show that one
@@ -74,6 +75,8 @@ if step "build (torch on this machine)" build.log build; then
   done
   step "benchmark report (CUDA)" bench.log in_site "$py" -m lmk_ops.bench --device cuda \
     --shapes 64x512x1024,8x8192x1024,1x32768x1024 --json "$results/bench-cuda.json"
+  step "CPU thread scaling (1, 4, all cores)" cpu_scaling.log in_site "$py" "$root/scripts/cpu_scaling.py" \
+    --json "$results/cpu-scaling.json"
   step "end to end: BERT-base train step, inference" end_to_end.log in_site "$py" "$root/bench/end_to_end.py" \
     --device cuda --json "$results/end_to_end.json"
 fi

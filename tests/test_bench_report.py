@@ -3,7 +3,11 @@ op's rows and the packed rows, and the JSON beside it; its timer takes turns bet
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import pathlib
+
+import torch
 
 from lmk_ops import bench
 
@@ -24,6 +28,22 @@ def test_report_writes_a_clean_table_and_its_json(tmp_path, capsys):
     for line in out.splitlines():
         if line.startswith(("mean_pool", "max_pool")):
             assert len(line.split()) >= 6, line
+
+
+def test_cpu_scaling_script_times_every_op_at_every_thread_count(tmp_path):
+    """scripts/cpu_scaling.py, which gpu_check.sh runs on the GPU machine's cores, on a tiny shape."""
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "cpu_scaling.py"
+    spec = importlib.util.spec_from_file_location("cpu_scaling", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    threads = torch.get_num_threads()
+    script.main(["--threads", "1,2", "--shape", "1x64x128", "--json", str(tmp_path / "scaling.json")])
+    assert torch.get_num_threads() == threads
+    rows = json.loads((tmp_path / "scaling.json").read_text())["rows"]
+    assert {(r["op"], r["dtype"], r["threads"]) for r in rows} == {
+        (op, dtype, t) for op in ("mean_pool", "max_pool", "attention_pool@1h", "attention_pool@64d")
+        for dtype in ("float32", "bfloat16") for t in (1, 2)}
+    assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in rows)
 
 
 def test_time_together_takes_turns_and_keeps_none():

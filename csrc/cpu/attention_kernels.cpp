@@ -304,6 +304,22 @@ struct SoftmaxReducer {
   // add_rows for bfloat16 rows with w in pair order.
   void add_rows_pairs(float* w, const float* p, const c10::BFloat16* const* x, int k) const {
     constexpr int64_t kHalf = kPairBlock / 2;
+    if (k == kRowGroup) {  // the common case, unrolled as in add_rows (the same operations in the same order)
+      static_assert(kRowGroup == 4);
+      const V p0(p[0]), p1(p[1]), p2(p[2]), p3(p[3]);
+      for (int64_t i = 0; i < head_dim; i += kPairBlock) {
+        const Pairs v0 = load_pairs(x[0] + i), v1 = load_pairs(x[1] + i), v2 = load_pairs(x[2] + i),
+                    v3 = load_pairs(x[3] + i);
+        V even = fmadd(p0, v0.even, V::loadu(w + i)), odd = fmadd(p0, v0.odd, V::loadu(w + i + kHalf));
+        even = fmadd(p1, v1.even, even);
+        odd = fmadd(p1, v1.odd, odd);
+        even = fmadd(p2, v2.even, even);
+        odd = fmadd(p2, v2.odd, odd);
+        fmadd(p3, v3.even, even).store(w + i);
+        fmadd(p3, v3.odd, odd).store(w + i + kHalf);
+      }
+      return;
+    }
     for (int64_t i = 0; i < head_dim; i += kPairBlock) {
       V even = V::loadu(w + i), odd = V::loadu(w + i + kHalf);
       for (int r = 0; r < k; ++r) {  // k is kRowGroup but for a chunk's first and last groups

@@ -15,7 +15,6 @@ import lmk_ops
 from lmk_ops.bench import time_together
 
 
-
 def ops(hidden, mask):
     gen, dim = torch.Generator().manual_seed(1), hidden.shape[-1]
     one_head = torch.randn(dim, generator=gen).to(hidden.dtype)

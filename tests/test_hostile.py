@@ -16,6 +16,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import lmk_ops
 from lmk_ops import reference
 
+from devices import DEVICES
+
 
 def _ulps(got: torch.Tensor, exact: torch.Tensor) -> float:
     """The largest error of got against exact, in units of got's last place."""
@@ -59,6 +61,65 @@ def test_float16_means_of_large_values_do_not_overflow(value):
     assert torch.equal(lmk_ops.mean_pool(hidden), torch.full((1, 3), value, dtype=torch.float16))
     assert torch.equal(lmk_ops.landmark_mean(hidden, torch.ones(1, 20000, dtype=torch.bool)),
                        torch.full((1, 3), value, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("value", [-0.99, 0.5, 0.99])
+def test_means_of_values_near_the_float32_maximum_do_not_overflow(device, dtype, value):
+    # bfloat16 shares float32's range, so float32 sums of its largest values overflow though their mean is finite.
+    big = torch.tensor(value * torch.finfo(torch.float32).max).to(dtype).item()
+    hidden = torch.full((2, 1500, 4), big, dtype=dtype)  # three chunks of rows, and a column of mixed signs
+    hidden[1, :, 0] *= torch.tensor([1.0, -1.0]).repeat(750).to(dtype)
+    expected = hidden.double().mean(1)
+    hidden = hidden.to(device)
+    got = lmk_ops.mean_pool(hidden).cpu()
+    assert got.isfinite().all()
+    assert torch.equal(got, expected.to(dtype))
+    mask = torch.ones(2, 1500, dtype=torch.bool, device=device)
+    assert torch.equal(lmk_ops.landmark_mean(hidden, mask).cpu(), got)
+    cu_seqlens = torch.tensor([0, 1500, 3000], device=device)
+    assert torch.equal(lmk_ops.mean_pool(hidden.flatten(0, 1), cu_seqlens=cu_seqlens).cpu(), got)
+    unit = torch.nn.functional.normalize(expected, dim=-1)
+    rtol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    assert torch.allclose(lmk_ops.mean_pool(hidden, normalize=True).cpu().double(), unit, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads", [1, 4])
+def test_attention_over_values_near_the_float32_maximum_does_not_overflow(dtype, heads):
+    gen = torch.Generator().manual_seed(heads)
+    big = torch.tensor(0.9 * torch.finfo(torch.float32).max).to(dtype).item()
+    hidden = torch.full((2, 1500, 64), big, dtype=dtype)
+    hidden[1, ::2, :5] *= -1
+    hidden[1, :, 10:] = torch.randn(1500, 54, generator=gen).to(dtype)
+    query = (torch.randn(64, generator=gen) * 1e-38).to(dtype).reshape(heads, -1).squeeze(0)
+    out, weights = lmk_ops.attention_pool(hidden, None, query, return_weights=True)
+    exact, exact_weights = reference.attention_pool(hidden.double(), None, query.double(), return_weights=True)
+    assert out.isfinite().all()
+    rtol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(out.double(), exact, rtol=rtol, atol=1e-2)
+    assert torch.allclose(weights.double(), exact_weights, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [1e-30, 1e30])
+def test_normalize_gives_unit_vectors_where_the_norm_leaves_the_dtype_range(device, dtype, scale):
+    # The norm of a vector whose entries are near the maximum overflows in the dtype itself (and the squares of
+    # float32 values beyond 1.8e19 overflow in float32); tiny entries' squares underflow. Either way the direction
+    # is well defined, and F.normalize's eps (1e-12) is far below the norm only for the large vectors.
+    big = torch.finfo(dtype).max / 4 if scale > 1 else 1e-30
+    hidden = torch.full((1, 3, 8), big, dtype=dtype)
+    hidden[0, :, 0] = -big
+    exact = torch.nn.functional.normalize(hidden.double().mean(1) / big, dim=-1)
+    if scale < 1:  # below eps: divided by eps, as F.normalize
+        exact = hidden.double().mean(1) / 1e-12
+    hidden = hidden.to(device)
+    for out in (lmk_ops.max_pool(hidden, normalize=True), lmk_ops.mean_pool(hidden, normalize=True)):
+        out = out.cpu()
+        assert out.isfinite().all()
+        assert torch.allclose(out.double(), exact, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
 
 
 def test_a_long_text_gives_the_same_bits_alone_padded_packed_and_on_any_number_of_threads():

@@ -23,6 +23,7 @@
 // over the chunks reads each valid row once and keeps p_l, e_l and the chunk's sums; a second merges the chunks per
 // text (S, the text's share of the query gradient); a third writes every row of grad_hidden,
 // p_l g + scale p_l (e_l - S) q (zeros for the padding), split over rows, without reading hidden again.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -251,6 +252,32 @@ struct SoftmaxReducer {
     }
   }
 
+  // After fold(): where a weighted sum or total is not finite, the chunk again, its weights exp(score - max)
+  // taken against the chunk's final maximum and its sums straight in float64. Float32 runs of rows near float32's
+  // maximum, which bfloat16 shares, overflow though their weighted mean is finite; in float64 they cannot. Only such
+  // rows, or inputs that are inf or NaN (which stay so), take this second read.
+  void resum_if_overflowed(const scalar_t* block, int64_t stride_l, int64_t stride_d, const ChunkRows& chunk) {
+    const int64_t n = heads * head_dim;
+    const auto finite = [](double t) { return std::isfinite(t); };
+    if (std::all_of(weighted_total, weighted_total + n, finite) && std::all_of(total_sum, total_sum + heads, finite)) {
+      return;
+    }
+    std::fill_n(weighted_total, n, 0.0);
+    std::fill_n(total_sum, heads, 0.0);
+    std::vector<acc> row_score(heads);
+    chunk.each([&](int64_t l) {
+      const scalar_t* row = block + l * stride_l;
+      row_scores(row, stride_d, query, heads, head_dim, scale, pairs, row_score.data());
+      for (int64_t h = 0; h < heads; ++h) {
+        const double p = exp_acc(row_score[h] - running_max[h]);
+        total_sum[h] += p;
+        for (int64_t j = h * head_dim; j < (h + 1) * head_dim; ++j) {
+          weighted_total[pairs ? pair_index(j) : j] += p * static_cast<double>(row[j * stride_d]);
+        }
+      }
+    });
+  }
+
   template <typename T>
   void scale_in_place(T* w, acc factor) const {
     int64_t i = 0;
@@ -403,8 +430,10 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
                                      scores,
                                      seq_len,
                                      state.data() + n + 2 * block_heads};
-    if (reduce_rows(h + b * sb + d0 * sd, sl, sd, n, chunk_rows, reducer) > 0) {
+    const scalar_t* block = h + b * sb + d0 * sd;
+    if (reduce_rows(block, sl, sd, n, chunk_rows, reducer) > 0) {
       reducer.fold();
+      reducer.resum_if_overflowed(block, sl, sd, chunk_rows);
       const int64_t part = b * chunks + chunk;
       std::copy_n(reducer.running_max, block_heads, part_max.data() + part * heads + h0);
       std::copy_n(reducer.total_sum, block_heads, part_sum.data() + part * heads + h0);

@@ -1,5 +1,6 @@
 // Vectorised CPU pooling kernels. Compiled once per CPU capability: CPU_CAPABILITY is DEFAULT, AVX2 or AVX512
 // and names the namespace of this copy (see CMakeLists.txt and kernels_dispatch.cpp).
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -97,6 +98,21 @@ struct SumReducer {
       sum[i] = acc(0);
     }
     run = 0;
+  }
+
+  // After finish(): where a total is not finite, the chunk's rows summed again, straight in float64. A float32 run
+  // overflows on values near float32's maximum, which bfloat16 shares, though their mean is finite; in float64 it
+  // cannot. Only such values, or inputs that are inf or NaN (which stay so), take this second read.
+  void resum_if_overflowed(const scalar_t* block, int64_t stride_l, int64_t stride_d, const ChunkRows& chunk) {
+    if (std::all_of(total, total + n, [](double t) { return std::isfinite(t); })) {
+      return;
+    }
+    std::fill_n(total, n, 0.0);
+    chunk.each([&](int64_t l) {
+      for (int64_t i = 0; i < n; ++i) {
+        total[i] += static_cast<double>(block[l * stride_l + i * stride_d]);
+      }
+    });
   }
 };
 
@@ -198,8 +214,12 @@ void pool_forward(const Tensor& hidden, const RowList& list, const ChunkDone& ch
   const scalar_t* h = hidden.const_data_ptr<scalar_t>();
   for_each_chunk(list, batch, dim, 1, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n, const ChunkRows& rows) {
     Reducer reducer;
-    if (reduce_rows(h + b * sb + d0 * sd, sl, sd, n, rows, reducer) > 0) {
+    const scalar_t* block = h + b * sb + d0 * sd;
+    if (reduce_rows(block, sl, sd, n, rows, reducer) > 0) {
       reducer.finish();
+      if constexpr (std::is_same_v<Reducer, SumReducer<scalar_t>>) {
+        reducer.resum_if_overflowed(block, sl, sd, rows);
+      }
     }
     chunk_done(b, chunk, d0, n, reducer, list.rows(b));
   });

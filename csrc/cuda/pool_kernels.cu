@@ -25,10 +25,12 @@ constexpr int kFeatureLanes = 32;
 
 // What a chunk reduces into: the accumulation type for max (whose results are input values), and for mean float64
 // beside float32 rows (so a mean is within about one float32 ulp at any L: a float32 running sum loses digits as
-// it grows) and float32 beside the half types (whose 16-row runs per row lane it holds exactly or nearly). The
-// chunks' partial sums are combined in float64 in chunk order.
+// it grows) and bfloat16 rows (float32's range: a float32 sum of values near its maximum overflows though their
+// mean is finite), and float32 beside float16 rows (whose 16-row runs per row lane it holds exactly or nearly, and
+// far from overflow). The chunks' partial sums are combined in float64 in chunk order.
 template <bool kMax, typename scalar_t>
-using value_t = std::conditional_t<kMax || !std::is_same_v<scalar_t, float>, acc_t<scalar_t>, double>;
+using value_t = std::conditional_t<kMax || std::is_same_v<scalar_t, c10::Half> || std::is_same_v<scalar_t, double>,
+                                   acc_t<scalar_t>, double>;
 template <bool kMax, typename scalar_t>
 using partial_t = std::conditional_t<kMax, acc_t<scalar_t>, double>;
 

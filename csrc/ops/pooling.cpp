@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "common/dispatch.h"
 #include "common/host_path.h"
@@ -12,6 +13,9 @@ namespace lmk_ops::ops {
 bool is_empty_pool(const Tensor& hidden) {
   return hidden.size(0) == 0 || hidden.size(1) == 0 || hidden.size(2) == 0;
 }
+
+// The divisor's floor in normalize, as torch.nn.functional.normalize's eps.
+constexpr double kNormEps = 1e-12;
 
 std::tuple<Tensor, Tensor> finish_pooled(const Tensor& pooled, ScalarType dtype, bool normalize) {
   if (!normalize) {
@@ -26,22 +30,55 @@ std::tuple<Tensor, Tensor> finish_pooled(const Tensor& pooled, ScalarType dtype,
       const acc* w = wide.const_data_ptr<acc>();
       scalar_t* o = out.mutable_data_ptr<scalar_t>();
       for (int64_t b = 0; b < batch; ++b) {
-        double squares = 0;  // in float64: no float32 rounding error piles up over D
+        const acc* row = w + b * dim;
+        // The norm in float64, of the row scaled by a power of two near its largest magnitude (clamped to keep
+        // the factor a finite double): no square overflows or underflows whatever the dtype, and the scaling is
+        // exact, so it changes no bit otherwise.
+        double largest = 0;
         for (int64_t d = 0; d < dim; ++d) {
-          squares += static_cast<double>(w[b * dim + d]) * w[b * dim + d];
+          largest = std::max(largest, std::abs(static_cast<double>(row[d])));
         }
-        const acc divisor = std::max(static_cast<acc>(std::sqrt(squares)), static_cast<acc>(1e-12));
+        int exponent = 0;
+        if (largest > 0 && std::isfinite(largest)) {
+          std::frexp(largest, &exponent);
+          exponent = std::clamp(exponent, -1021, 1021);
+        }
+        const double scale = std::ldexp(1.0, -exponent);
+        double squares = 0;  // no float32 rounding error piles up over D
         for (int64_t d = 0; d < dim; ++d) {
-          o[b * dim + d] = static_cast<scalar_t>(w[b * dim + d] / divisor);
+          const double x = static_cast<double>(row[d]) * scale;
+          squares += x * x;
+        }
+        const double scaled_norm = std::sqrt(squares);
+        // out = row / max(norm, eps), as F.normalize, with the quotient in float64 (the norm may pass the dtype's
+        // range: the mean of values near float32's maximum over 8 features).
+        const bool above_eps = std::ldexp(scaled_norm, exponent) > kNormEps;
+        for (int64_t d = 0; d < dim; ++d) {
+          const double x = static_cast<double>(row[d]);
+          o[b * dim + d] = static_cast<scalar_t>(above_eps ? x * scale / scaled_norm : x / kNormEps);
         }
       }
     });
     return {out, wide};
   }
-  // The L2 norm of each row (ATen's vector norm takes its order as a Scalar, which the stable ABI cannot pass).
-  const Tensor squares = torch::stable::sum(mul(wide, wide), std::vector<int64_t>{1}, /*keepdim=*/true);
-  const Tensor norm = aten("aten::sqrt", "", squares);
-  return {to_dtype(div(wide, clamp_min(norm, 1e-12)), dtype), wide};
+  // The L2 norm of each row (ATen's vector norm takes its order as a Scalar, which the stable ABI cannot pass), in
+  // float64 so that no square of a float32 value overflows or underflows, nor the norm.
+  const Tensor wide64 = to_dtype(wide, ScalarType::Double);
+  if (dtype != ScalarType::Double) {
+    const Tensor squares = torch::stable::sum(mul(wide64, wide64), std::vector<int64_t>{1}, /*keepdim=*/true);
+    const Tensor norm = aten("aten::sqrt", "", squares);
+    return {to_dtype(div(wide64, clamp_min(norm, kNormEps)), dtype), wide};
+  }
+  // float64 rows: scaled first by a power of two near each row's largest magnitude, as the host path does, so that
+  // the squares neither overflow nor underflow (exact: the scaling changes no bit otherwise).
+  const Tensor largest = aten("aten::amax", "", aten("aten::abs", "", wide64), std::vector<int64_t>{1}, true);
+  const Tensor log2 = aten("aten::log2", "", clamp_min(largest, std::numeric_limits<double>::min()));
+  const Tensor scale = aten("aten::exp2", "", aten("aten::floor", "", log2));
+  const Tensor scaled = div(wide64, scale);
+  const Tensor scaled_norm = aten("aten::sqrt", "", torch::stable::sum(mul(scaled, scaled), std::vector<int64_t>{1},
+                                                                       /*keepdim=*/true));
+  // row / max(norm, eps) = scaled / (max(norm, eps) / scale)
+  return {div(scaled, div(clamp_min(mul(scaled_norm, scale), kNormEps), scale)), wide};
 }
 
 std::tuple<Tensor, Tensor> mean_of_rows(const Tensor& hidden, const RowSelection& rows, bool normalize) {

@@ -124,6 +124,15 @@ def test_attention_pooling_and_lmk_on_flattened_features(padded):
                                                                 "landmark_mask": landmark_mask}))
 
 
+@pytest.mark.parametrize("mode", ["mean", "lmk", "attention"])
+def test_flattened_texts_without_offsets_are_refused_not_pooled_as_one(padded, mode):
+    flat = flattened(padded)
+    batch = {"seq_idx": flat["seq_idx"], "landmark_mask": torch.ones(flat["seq_idx"].shape[1], dtype=torch.bool)}
+    pooling = lmk_ops.nn.Pooling(mode, **({"dim": flat["token_embeddings"].shape[-1]} if mode == "attention" else {}))
+    with pytest.raises(ValueError, match="lmk_ops.nn: expected cu_seq_lens_q .* beside seq_idx"):
+        pooling(flat["token_embeddings"], batch)
+
+
 def test_tokenize_with_landmarks_packed_is_the_padded_batch_without_padding(padded):
     from lmk_ops import hf
 

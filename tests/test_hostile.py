@@ -305,6 +305,10 @@ def test_an_all_padding_row_stays_empty_and_pools_to_zeros():
 
 # (call, expected message after "lmk_ops.<name>: ")
 UNCLEAR = [
+    (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=-1),
+     r"insert_landmarks: expected landmark_id as a token id >= 0, got -1"),
+    (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=9, pad_id=-100),
+     r"insert_landmarks: expected pad_id as a token id >= 0, got -100"),
     (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=9, max_length=4.0),
      r"insert_landmarks: expected max_length as an int >= 1 or None, got 4\.0"),
     (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=9, num_leading=1.0),

@@ -129,6 +129,8 @@ def _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leadin
     for name, value in (("landmark_id", landmark_id), ("pad_id", pad_id)):
         if not _is_int(value):
             _fail(f"expected {name} as an int, got {value!r}")
+        if value < 0:  # a token id indexes the vocabulary
+            _fail(f"expected {name} as a token id >= 0, got {value}")
         info = torch.iinfo(input_ids.dtype)
         if not info.min <= int(value) <= info.max:
             _fail(f"expected {name} representable in input_ids' dtype {input_ids.dtype} ([{info.min}, {info.max}]), "

@@ -53,6 +53,9 @@ def packed_layout(hidden: Tensor, batch: Any, cu_seqlens: Tensor | None = None, 
                 batch, "max_seqlen")
             max_seqlen = hint if isinstance(hint, int) else None
     if cu_seqlens is None:
+        if _field(batch, "seq_idx") is not None:  # else the flattened texts would pool as one
+            raise ValueError("lmk_ops.nn: expected cu_seq_lens_q (or cu_seqlens) beside seq_idx: the batch holds "
+                             "flattened texts but not where each starts; pass cu_seqlens=")
         return hidden, {}
     if hidden.dim() == 3 and hidden.shape[0] == 1:
         hidden = hidden[0]

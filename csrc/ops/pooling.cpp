@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "common/dispatch.h"
 #include "common/host_path.h"
@@ -95,15 +96,43 @@ std::tuple<Tensor, Tensor> mean_of_rows(const Tensor& hidden, const RowSelection
   return finish_pooled(out, hidden.scalar_type(), normalize);
 }
 
-Tensor mean_of_rows_backward(const Tensor& grad, const RowSelection& rows, int64_t seq_len,
-                             std::optional<ScalarType> dtype) {
+namespace {
+
+// grad [B, D] / (the number of rows each text selects, at least 1), as a contiguous tensor of type acc (float32 or
+// float64): the operand of the mean's backward kernel.
+Tensor grad_over_counts(const Tensor& grad, const RowSelection& rows, int64_t seq_len, ScalarType acc) {
   const int64_t batch = grad.size(0), dim = grad.size(1);
-  const ScalarType out_type = dtype.value_or(grad.scalar_type());
-  Tensor grad_hidden = empty_on(grad, {batch, seq_len, dim}, out_type);
-  if (grad_hidden.numel() == 0) {
-    return grad_hidden;
+  if (takes_host_path(grad)) {  // two loops, where the generic form below costs six operator calls
+    Tensor scaled = empty_on(grad, {batch, dim}, acc);
+    const bool* mask = rows.mask.defined() ? rows.mask.const_data_ptr<bool>() : nullptr;
+    const int64_t* positions = rows.positions.defined() ? rows.positions.const_data_ptr<int64_t>() : nullptr;
+    const int64_t listed = positions != nullptr ? rows.positions.size(1) : 0;
+    LMK_DISPATCH_FLOATING(grad.scalar_type(), "mean_pool_backward", [&] {
+      const scalar_t* g = grad.const_data_ptr<scalar_t>();
+      const auto fill = [&](auto* out) {
+        using out_t = std::remove_pointer_t<decltype(out)>;
+        for (int64_t b = 0; b < batch; ++b) {
+          int64_t count = seq_len;
+          if (mask != nullptr) {
+            count = std::count(mask + b * seq_len, mask + (b + 1) * seq_len, true);
+          } else if (positions != nullptr) {
+            count = std::count_if(positions + b * listed, positions + (b + 1) * listed, [](int64_t l) { return l >= 0; });
+          }
+          // As the generic form: the count rounded to the accumulation type, one division.
+          const auto divisor = static_cast<out_t>(std::max<int64_t>(count, 1));
+          for (int64_t d = 0; d < dim; ++d) {
+            out[b * dim + d] = static_cast<out_t>(g[b * grad.stride(0) + d * grad.stride(1)]) / divisor;
+          }
+        }
+      };
+      if (acc == ScalarType::Double) {
+        fill(scaled.mutable_data_ptr<double>());
+      } else {
+        fill(scaled.mutable_data_ptr<float>());
+      }
+    });
+    return scaled;
   }
-  // grad / count once per text, in the accumulation type; the kernel multiplies by how often each row is selected.
   Tensor counts;
   const std::vector<int64_t> texts_dim{1};
   if (rows.mask.defined()) {
@@ -113,7 +142,21 @@ Tensor mean_of_rows_backward(const Tensor& grad, const RowSelection& rows, int64
   } else {
     counts = full_on(grad, {batch, 1}, static_cast<double>(seq_len), ScalarType::Long);
   }
-  const Tensor scaled = as_contiguous(div(to_dtype(grad, acc_dtype(out_type)), clamp_min(counts, 1)));
+  return as_contiguous(div(to_dtype(grad, acc), clamp_min(counts, 1)));
+}
+
+}  // namespace
+
+Tensor mean_of_rows_backward(const Tensor& grad, const RowSelection& rows, int64_t seq_len,
+                             std::optional<ScalarType> dtype) {
+  const int64_t batch = grad.size(0), dim = grad.size(1);
+  const ScalarType out_type = dtype.value_or(grad.scalar_type());
+  Tensor grad_hidden = empty_on(grad, {batch, seq_len, dim}, out_type);
+  if (grad_hidden.numel() == 0) {
+    return grad_hidden;
+  }
+  // grad / count once per text, in the accumulation type; the kernel multiplies by how often each row is selected.
+  const Tensor scaled = grad_over_counts(grad, rows, seq_len, acc_dtype(out_type));
   kernels_for(grad).mean_backward(scaled, rows, grad_hidden);
   return grad_hidden;
 }

@@ -13,6 +13,7 @@ import torch
 
 from . import reference
 from ._checks import accumulation_dtype
+from ._dispatch import call
 
 ops = torch.ops.lmk_ops
 
@@ -52,7 +53,7 @@ def _mean_pool_setup(ctx, inputs, output):
 def _mean_pool_backward(ctx, grad, grad_pooled):
     mask, cu_seqlens = ctx.saved_tensors[:2]
     pooled_grad = _pooled_grad(ctx, grad, grad_pooled)
-    return ops.mean_pool_backward(pooled_grad, mask, ctx.seq_len, grad.dtype, cu_seqlens), None, None, None, None
+    return call(ops.mean_pool_backward, pooled_grad, mask, ctx.seq_len, grad.dtype, cu_seqlens), None, None, None, None
 
 
 # mean_pool_backward is linear in grad_out, and its adjoint is mean pooling itself.
@@ -64,7 +65,7 @@ def _mean_pool_backward_setup(ctx, inputs, output):
 
 def _mean_pool_backward_backward(ctx, grad_grad_hidden):
     mask, cu_seqlens = ctx.saved_tensors
-    return ops.mean_pool(grad_grad_hidden, mask, False, cu_seqlens)[0], None, None, None, None
+    return call(ops.mean_pool, grad_grad_hidden, mask, False, cu_seqlens)[0], None, None, None, None
 
 
 # max_pool: the gradient goes to the saved argmax position (int32, -1 for an empty row).
@@ -79,7 +80,7 @@ def _max_pool_setup(ctx, inputs, output):
 def _max_pool_backward(ctx, grad, _grad_argmax, grad_pooled):
     argmax, cu_seqlens = ctx.saved_tensors[:2]
     pooled_grad = _pooled_grad(ctx, grad, grad_pooled).to(grad.dtype)  # moved as is: rounding first is exact
-    return ops.max_pool_backward(pooled_grad, argmax, ctx.seq_len, cu_seqlens), None, None, None, None
+    return call(ops.max_pool_backward, pooled_grad, argmax, ctx.seq_len, cu_seqlens), None, None, None, None
 
 
 # max_pool_backward scatters grad_out to the argmax rows; its adjoint gathers from them.
@@ -108,7 +109,7 @@ def _landmark_mean_setup(ctx, inputs, output):
 def _landmark_mean_backward(ctx, grad, grad_pooled):
     landmarks, cu_seqlens = ctx.saved_tensors[:2]
     pooled_grad = _pooled_grad(ctx, grad, grad_pooled)
-    grad_hidden = ops.landmark_mean_backward(pooled_grad, landmarks, ctx.seq_len, grad.dtype, cu_seqlens)
+    grad_hidden = call(ops.landmark_mean_backward, pooled_grad, landmarks, ctx.seq_len, grad.dtype, cu_seqlens)
     return grad_hidden, None, None, None, None
 
 
@@ -119,7 +120,7 @@ def _landmark_mean_backward_setup(ctx, inputs, output):
 
 def _landmark_mean_backward_backward(ctx, grad_grad_hidden):
     landmarks, cu_seqlens = ctx.saved_tensors
-    return ops.landmark_mean(grad_grad_hidden, landmarks, False, cu_seqlens)[0], None, None, None, None
+    return call(ops.landmark_mean, grad_grad_hidden, landmarks, False, cu_seqlens)[0], None, None, None, None
 
 
 # landmark_gather copies rows out; its backward adds them back (summing repeated positions); each is the
@@ -132,7 +133,7 @@ def _landmark_gather_setup(ctx, inputs, output):
 
 def _landmark_gather_backward(ctx, grad):
     positions, cu_seqlens = ctx.saved_tensors
-    return ops.landmark_gather_backward(grad, positions, ctx.seq_len, cu_seqlens), None, None
+    return call(ops.landmark_gather_backward, grad, positions, ctx.seq_len, cu_seqlens), None, None
 
 
 def _landmark_gather_backward_setup(ctx, inputs, output):
@@ -142,7 +143,7 @@ def _landmark_gather_backward_setup(ctx, inputs, output):
 
 def _landmark_gather_backward_backward(ctx, grad_grad_hidden):
     positions, cu_seqlens = ctx.saved_tensors
-    return ops.landmark_gather(grad_grad_hidden, positions, cu_seqlens), None, None, None
+    return call(ops.landmark_gather, grad_grad_hidden, positions, cu_seqlens), None, None, None
 
 
 # token_pool copies one row per text out: its backward is the gather's, at the positions it returns.
@@ -155,7 +156,7 @@ def _token_pool_setup(ctx, inputs, output):
 
 def _token_pool_backward(ctx, grad, _grad_positions):
     positions, cu_seqlens = ctx.saved_tensors
-    grad_hidden = ops.landmark_gather_backward(grad.unsqueeze(1), positions, ctx.seq_len, cu_seqlens)
+    grad_hidden = call(ops.landmark_gather_backward, grad.unsqueeze(1), positions, ctx.seq_len, cu_seqlens)
     return grad_hidden, None, None, None, None
 
 
@@ -173,7 +174,7 @@ def _attention_pool_setup(ctx, inputs, output):
 def _attention_pool_backward(ctx, grad, _grad_stats, grad_weights):
     hidden, mask, query, out, stats, cu_seqlens = ctx.saved_tensors
     grad_weights = grad_weights if ctx.return_weights else None
-    grad_hidden, grad_query = ops.attention_pool_backward(grad, grad_weights, hidden, mask, query, out, stats,
+    grad_hidden, grad_query = call(ops.attention_pool_backward, grad, grad_weights, hidden, mask, query, out, stats,
                                                           ctx.scale, cu_seqlens, ctx.max_seqlen)
     return grad_hidden, None, grad_query, None, None, None, None
 

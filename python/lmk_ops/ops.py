@@ -10,6 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from ._checks import check_call, check_hidden, check_landmarks, check_packed
 from ._checks import check_packed_mask, fail
 from . import reference
+from ._dispatch import call as _call
 
 __all__ = [
     "attention_pool", "first_token_pool", "landmark_gather", "landmark_mean", "landmark_positions", "last_token_pool",
@@ -22,17 +23,6 @@ _PACKED_DOC = """cu_seqlens: for a packed (variable-length) batch: int32 or int6
             ``[T]``, and each text pools to the same bits as padded or alone.
         max_seqlen: with cu_seqlens, the longest text's length if known (a host int): spares a device sync."""
 
-
-def _call(op, *args):
-    """op(*args), past its autograd kernel when there is nothing to differentiate. That kernel is a Python function
-    (torch.library's), and its tens of microseconds per call are most of a small pooling's time (inference on a
-    short query, first-token pooling). Never while compiling (dynamo traces the plain call) or inside torch.func
-    transforms, whose layers need every dispatch key."""
-    if ((torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args))
-            or torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None):
-        return op(*args)
-    with torch._C._AutoDispatchBelowAutograd():
-        return op(*args)
 
 _NORMALIZE_DOC = """normalize: L2-normalise each output vector inside the op (forward and backward), as
             ``torch.nn.functional.normalize(out, dim=-1)`` would, but from the float32 result before it is rounded to

@@ -122,6 +122,16 @@ def test_normalize_gives_unit_vectors_where_the_norm_leaves_the_dtype_range(devi
         assert torch.allclose(out.double(), exact, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
 
 
+def test_a_failed_allocation_says_what_torch_said_and_what_lmk_ops_was_doing():
+    # 640 TB: beyond any address space, so it fails even where memory is overcommitted.
+    with pytest.raises(RuntimeError) as failure:
+        torch.ops.lmk_ops.mean_pool_backward(torch.randn(2, 8), None, 10**13, torch.float32, None)
+    message = str(failure.value)
+    assert "allocating a tensor of shape [2, 10000000000000, 8]" in message
+    if tuple(int(n) for n in torch.__version__.split(".")[:2]) >= (2, 13):  # older torch keeps its message to itself
+        assert "you tried to allocate 640000000000000 bytes" in message
+
+
 def test_a_long_text_gives_the_same_bits_alone_padded_packed_and_on_any_number_of_threads():
     gen = torch.Generator().manual_seed(9)
     text = torch.randn(1, 5000, 96, generator=gen)

@@ -15,6 +15,23 @@ template <typename... Parts>
   throw std::runtime_error(message.str());
 }
 
+// What torch said about the last exception a C-shim call (allocation, a dispatcher call) turned into an error
+// code, or "" where this torch cannot say: torch_exception_get_what_without_backtrace came with torch 2.13, and the
+// build, which also serves older torch, looks it up at run time.
+std::string shim_error_message();
+
+// Throws for a failed C-shim call with torch's own message (an allocator's "can't allocate memory: you tried to
+// allocate ..."), which the stable ABI's STABLE_TORCH_ERROR_CODE_CHECK drops for builds that serve torch before
+// 2.13, and what lmk_ops was doing.
+[[noreturn]] void throw_shim_error(const std::string& doing);
+
+template <typename... Parts>
+[[noreturn]] void fail_shim_call(const Parts&... doing) {
+  std::ostringstream message;
+  (message << ... << doing);
+  throw_shim_error(message.str());
+}
+
 }  // namespace lmk_ops
 
 // The parts are evaluated only when the condition fails.
@@ -23,4 +40,12 @@ template <typename... Parts>
     if (!(condition)) {             \
       ::lmk_ops::fail(__VA_ARGS__); \
     }                               \
+  } while (false)
+
+// call: a C-shim call returning an AOTITorchError; the other arguments say what it was for (streamed together).
+#define LMK_SHIM_CHECK(call, ...)                \
+  do {                                           \
+    if ((call) != TORCH_SUCCESS) {               \
+      ::lmk_ops::fail_shim_call(__VA_ARGS__);    \
+    }                                            \
   } while (false)

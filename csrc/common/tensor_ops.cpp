@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "common/checks.h"
+
 namespace lmk_ops {
 namespace {
 
@@ -40,9 +42,9 @@ Tensor empty_on(const Tensor& like, Sizes sizes, ScalarType dtype) {
   const torch::stable::Device device = like.device();
   const auto device_type = torch::stable::detail::to<int32_t>(torch::stable::detail::from(device.type()));
   AtenTensorHandle out = nullptr;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(),
-                                                         strides.data(), shim_dtype(dtype), device_type,
-                                                         like.get_device_index(), &out));
+  LMK_SHIM_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(), strides.data(),
+                                          shim_dtype(dtype), device_type, like.get_device_index(), &out),
+                 "allocating a tensor of shape ", shape_str(sizes));
   return Tensor(out);
 }
 
@@ -58,9 +60,9 @@ Tensor full_on(const Tensor& like, Sizes sizes, double value, ScalarType dtype) 
 
 Tensor as_strided(const Tensor& t, Sizes sizes, Sizes strides) {
   AtenTensorHandle out = nullptr;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch__reinterpret_tensor(t.get(), static_cast<int64_t>(sizes.size()),
-                                                               sizes.data(), strides.data(), t.storage_offset(),
-                                                               &out));
+  LMK_SHIM_CHECK(aoti_torch__reinterpret_tensor(t.get(), static_cast<int64_t>(sizes.size()), sizes.data(),
+                                                strides.data(), t.storage_offset(), &out),
+                 "viewing a tensor as shape ", shape_str(sizes));
   return Tensor(out);
 }
 

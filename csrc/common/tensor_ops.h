@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "common/error.h"
 #include "common/kernel_types.h"
 
 namespace lmk_ops {
@@ -39,7 +40,7 @@ inline bool is_integral(ScalarType t) {
 template <typename... Args>
 Tensor aten(const char* name, const char* overload, const Args&... args) {
   std::array<StableIValue, sizeof...(Args)> stack{torch::stable::detail::from(args)...};
-  STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION));
+  LMK_SHIM_CHECK(torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION), "calling ", name);
   return torch::stable::detail::to<Tensor>(stack[0]);
 }
 

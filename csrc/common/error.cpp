@@ -1,0 +1,33 @@
+#include "common/error.h"
+
+#include <dlfcn.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+
+namespace lmk_ops {
+
+std::string shim_error_message() {
+  using What = const char* (*)();
+  // Found in the library that defines the shim functions this extension calls, if that torch has it.
+  static const What what = []() -> What {
+    Dl_info info{};
+    if (dladdr(reinterpret_cast<void*>(&aoti_torch_empty_strided), &info) == 0 || info.dli_fname == nullptr) {
+      return nullptr;
+    }
+    void* torch_library = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+    return torch_library == nullptr
+               ? nullptr
+               : reinterpret_cast<What>(dlsym(torch_library, "torch_exception_get_what_without_backtrace"));
+  }();
+  const char* message = what != nullptr ? what() : nullptr;
+  return message != nullptr ? message : "";
+}
+
+void throw_shim_error(const std::string& doing) {
+  const std::string message = shim_error_message();
+  if (message.empty()) {
+    fail("lmk_ops: ", doing, " failed (torch logged why above)");
+  }
+  fail(message, " (lmk_ops: while ", doing, ")");
+}
+
+}  // namespace lmk_ops

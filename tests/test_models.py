@@ -192,7 +192,7 @@ def test_one_string_is_one_text_and_no_texts_is_a_clear_error(tokenizer):
     one = hf.tokenize_with_landmarks(tokenizer, "one string of words", interval=2)
     assert one.input_ids.shape[0] == 1
     assert torch.equal(one.input_ids, hf.tokenize_with_landmarks(tokenizer, ["one string of words"], interval=2).input_ids)
-    for texts in ([], [None]):
+    for texts in ([], [None], 5, None):
         with pytest.raises(ValueError, match=r"^lmk_ops\.hf\.tokenize_with_landmarks: expected a string or a non-empty "
                                              r"list of strings"):
             hf.tokenize_with_landmarks(tokenizer, texts)

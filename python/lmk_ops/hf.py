@@ -118,7 +118,11 @@ def tokenize_with_landmarks(
         :class:`lmk_ops.nn.Pooling`.
     """
     # One string is one text (list("abc") would be three).
-    texts = [texts] if isinstance(texts, str) else list(texts)
+    try:
+        texts = [texts] if isinstance(texts, str) else list(texts)
+    except TypeError:  # not iterable: an int, None
+        raise ValueError(f"lmk_ops.hf.tokenize_with_landmarks: expected a string or a non-empty list of strings, got "
+                         f"{type(texts).__name__}") from None
     if not texts or not all(isinstance(t, str) for t in texts):
         raise ValueError(f"lmk_ops.hf.tokenize_with_landmarks: expected a string or a non-empty list of strings, got "
                          f"{texts if not texts else [type(t).__name__ for t in texts]}")

@@ -4,7 +4,11 @@
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
 namespace lmk_ops {
+namespace {
 
+// What torch said about the last exception a C-shim call (allocation, a dispatcher call) turned into an error
+// code, or "" where this torch cannot say: torch_exception_get_what_without_backtrace came with torch 2.13, and the
+// build, which also serves older torch, looks it up at run time.
 std::string shim_error_message() {
   using What = const char* (*)();
   // Found in the library that defines the shim functions this extension calls, if that torch has it.
@@ -21,6 +25,8 @@ std::string shim_error_message() {
   const char* message = what != nullptr ? what() : nullptr;
   return message != nullptr ? message : "";
 }
+
+}  // namespace
 
 void throw_shim_error(const std::string& doing) {
   const std::string message = shim_error_message();

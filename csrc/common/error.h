@@ -15,11 +15,6 @@ template <typename... Parts>
   throw std::runtime_error(message.str());
 }
 
-// What torch said about the last exception a C-shim call (allocation, a dispatcher call) turned into an error
-// code, or "" where this torch cannot say: torch_exception_get_what_without_backtrace came with torch 2.13, and the
-// build, which also serves older torch, looks it up at run time.
-std::string shim_error_message();
-
 // Throws for a failed C-shim call with torch's own message (an allocator's "can't allocate memory: you tried to
 // allocate ..."), which the stable ABI's STABLE_TORCH_ERROR_CODE_CHECK drops for builds that serve torch before
 // 2.13, and what lmk_ops was doing.

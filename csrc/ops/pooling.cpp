@@ -116,7 +116,8 @@ Tensor grad_over_counts(const Tensor& grad, const RowSelection& rows, int64_t se
           if (mask != nullptr) {
             count = std::count(mask + b * seq_len, mask + (b + 1) * seq_len, true);
           } else if (positions != nullptr) {
-            count = std::count_if(positions + b * listed, positions + (b + 1) * listed, [](int64_t l) { return l >= 0; });
+            count = std::count_if(positions + b * listed, positions + (b + 1) * listed,
+                                  [](int64_t l) { return l >= 0; });
           }
           // As the generic form: the count rounded to the accumulation type, one division.
           const auto divisor = static_cast<out_t>(std::max<int64_t>(count, 1));

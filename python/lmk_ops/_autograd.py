@@ -175,7 +175,7 @@ def _attention_pool_backward(ctx, grad, _grad_stats, grad_weights):
     hidden, mask, query, out, stats, cu_seqlens = ctx.saved_tensors
     grad_weights = grad_weights if ctx.return_weights else None
     grad_hidden, grad_query = call(ops.attention_pool_backward, grad, grad_weights, hidden, mask, query, out, stats,
-                                                          ctx.scale, cu_seqlens, ctx.max_seqlen)
+                                   ctx.scale, cu_seqlens, ctx.max_seqlen)
     return grad_hidden, None, grad_query, None, None, None, None
 
 

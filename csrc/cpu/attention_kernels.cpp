@@ -85,17 +85,34 @@ inline acc_t<scalar_t> dot(const scalar_t* x, int64_t stride, const acc_t<scalar
   return total;
 }
 
-// The sums of eight vectors' lanes, as one vector (lane h: the sum of vector h), in the order
-// ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)) over each vector's lanes.
-#if defined(CPU_CAPABILITY_AVX2)
-inline Vec<float> sum_lanes8(const Vec<float>* v) {
-  const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(v[0].v, v[1].v), _mm256_hadd_ps(v[2].v, v[3].v));
-  const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(v[4].v, v[5].v), _mm256_hadd_ps(v[6].v, v[7].v));
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// The sums of eight 8-float vectors' lanes, as one (lane h: the sum of v[h]'s lanes), in hadd's order: adjacent
+// lanes first, then adjacent pairs, then the two 128-bit halves.
+inline __m256 sum_lanes8(const __m256* v) {
+  const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+// The sums of Vec<float>::size() vectors' lanes, as one vector (lane h: the sum of v[h]'s lanes); an AVX-512
+// vector's two halves are added first.
+inline Vec<float> sum_lanes_each(const Vec<float>* v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m256 halves[16];
+  for (int j = 0; j < 16; ++j) {
+    halves[j] = _mm256_add_ps(_mm512_castps512_ps256(v[j].v), _mm512_extractf32x8_ps(v[j].v, 1));
+  }
+  return Vec<float>(_mm512_insertf32x8(_mm512_castps256_ps512(sum_lanes8(halves)), sum_lanes8(halves + 8), 1));
+#else
+  __m256 lanes[8];
+  for (int j = 0; j < 8; ++j) {
+    lanes[j] = v[j].v;
+  }
+  return Vec<float>(sum_lanes8(lanes));
+#endif
 }
 #endif
 
-#if defined(CPU_CAPABILITY_AVX2)
 // partial_dot<false> of a bfloat16 row and a query in pair order (n a multiple of kPairBlock).
 inline Vec<float> partial_dot_pairs(const c10::BFloat16* x, const float* q, int64_t n) {
   using V = Vec<float>;
@@ -116,24 +133,24 @@ inline Vec<float> partial_dot_pairs(const c10::BFloat16* x, const float* q, int6
   }
   return (s[0] + s[1]) + (s[2] + s[3]);
 }
-#endif
 
 // scale * <x_h, q_h> for each of `heads` heads (x_h: the row's slice of head h), into out[h]; with `pairs`
 // (use_pairs()) the query is in pair order. The forward and the backward both compute scores with this one
-// function, so a score recomputed in the backward has the bits it had in the forward. With AVX2, narrow heads of
-// whole vectors on a contiguous row reduce their partial sums eight heads at a time: one vector's horizontal sum
-// costs as much as a 64-feature head's products otherwise.
+// function, so a score recomputed in the backward has the bits it had in the forward. With AVX2 or AVX-512, narrow
+// heads of whole vectors on a contiguous row reduce their partial sums a vector's width of heads at a time (8 or
+// 16): one vector's horizontal sum costs as much as a 64-feature head's products otherwise.
 template <typename scalar_t>
 inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>* q, int64_t heads, int64_t head_dim,
                        acc_t<scalar_t> scale, bool pairs, acc_t<scalar_t>* out) {
   int64_t h = 0;
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<acc_t<scalar_t>, float>) {
-    if (pairs || (stride == 1 && head_dim % 8 == 0 && head_dim <= 256)) {
-      for (; h < heads; h += 8) {
-        const int64_t count = std::min<int64_t>(8, heads - h);
-        Vec<float> partial[8];
-        for (int64_t j = 0; j < 8; ++j) {
+    constexpr int64_t kLanes = Vec<float>::size();
+    if (pairs || (stride == 1 && head_dim % kLanes == 0 && head_dim <= 256)) {
+      for (; h < heads; h += kLanes) {
+        const int64_t count = std::min<int64_t>(kLanes, heads - h);
+        Vec<float> partial[kLanes];
+        for (int64_t j = 0; j < kLanes; ++j) {
           const scalar_t* xj = x + (h + j) * head_dim;
           const float* qj = q + (h + j) * head_dim;
           if (j >= count) {
@@ -144,7 +161,7 @@ inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>*
             partial[j] = partial_dot<false>(xj, nullptr, qj, head_dim);
           }
         }
-        (sum_lanes8(partial) * Vec<float>(scale)).store(out + h, count);
+        (sum_lanes_each(partial) * Vec<float>(scale)).store(out + h, count);
       }
     }
   }
@@ -293,14 +310,12 @@ struct SoftmaxReducer {
 
   // w += sum_r p[r] * x[r], row by row for each element.
   void add_rows(acc* w, const acc* p, const scalar_t* const* x, int k, int64_t stride) const {
-#if defined(CPU_CAPABILITY_AVX2)
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
       if (pairs) {
         add_rows_pairs(w, p, x, k);
         return;
       }
     }
-#endif
     int64_t i = 0;
     if (stride == 1 && k == kRowGroup) {  // the common case, unrolled: the four weights stay in registers
       static_assert(kRowGroup == 4);
@@ -327,7 +342,6 @@ struct SoftmaxReducer {
     }
   }
 
-#if defined(CPU_CAPABILITY_AVX2)
   // add_rows for bfloat16 rows with w in pair order.
   void add_rows_pairs(float* w, const float* p, const c10::BFloat16* const* x, int k) const {
     constexpr int64_t kHalf = kPairBlock / 2;
@@ -358,7 +372,6 @@ struct SoftmaxReducer {
       odd.store(w + i + kHalf);
     }
   }
-#endif
 };
 
 // The query [dim] as row_scores() takes it for rows of this type, feature stride and head width: q itself, or a

@@ -1,42 +1,47 @@
 #pragma once
-// bfloat16 rows read sixteen features at a time as two float vectors ("pair order"), for the kernels of attention
-// and max pooling. Included only by files compiled once per CPU capability.
+// bfloat16 rows read a pair block (two float vectors' worth: 16 features on AVX2, 32 on AVX-512) at a time as two
+// float vectors ("pair order"), for the kernels of attention and max pooling. Included only by files compiled once
+// per CPU capability.
 //
-// load_widened() widens eight bfloat16 values with a 16-byte load, a zero-extension and a shift. Here one 32-byte
-// load holds sixteen, two per 32-bit lane, and each lane's even feature is the lane shifted left by 16 and its odd
-// feature the lane with its low half cleared: half the instructions per feature. Attention pooling over bfloat16
-// is bound by instructions on AVX2 (a 64-feature head costs as much per row as in float32), and so is the maximum
-// with its positions, so the float operands that meet such rows (attention's query and weighted sums, the kept
-// maxima) are kept in the same order: per 16 features, the 8 even ones, then the 8 odd ones. Sums taken in pair
-// order add the same products in another order; the forward and the backward use the same order, so a recomputed
-// score keeps its bits. A maximum is the same in any order.
+// load_widened() widens one vector's worth of bfloat16 values with a half-width load, a zero-extension and a
+// shift. Here one full-width load holds two vectors' worth, two per 32-bit lane, and each lane's even feature is
+// the lane shifted left by 16 and its odd feature the lane with its low half cleared: half the instructions per
+// feature. Attention pooling over bfloat16 is bound by instructions on AVX2 and AVX-512 (a 64-feature head costs
+// as much per row as in float32), and so is the maximum with its positions, so the float operands that meet such
+// rows (attention's query and weighted sums, the kept maxima) are kept in the same order: per pair block, the even
+// features, then the odd ones. Sums taken in pair order add the same products in another order; the forward and
+// the backward use the same order, so a recomputed score keeps its bits. A maximum is the same in any order.
 #include <torch/headeronly/util/BFloat16.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "cpu/simd.h"
 
 namespace lmk_ops::cpu::CPU_CAPABILITY {
 
-constexpr int64_t kPairBlock = 16;
+constexpr int64_t kPairBlock = 2 * Vec<float>::size();
 
-#if defined(CPU_CAPABILITY_AVX2)
+// DEFAULT (SSE2 pairs of registers) keeps the plain order: the tests then cover both orders on one machine.
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 constexpr bool kHavePairs = true;
+#else
+constexpr bool kHavePairs = false;
+#endif
 
 struct Pairs {
   Vec<float> even, odd;
 };
 
-// Features [0, 16) of p as (even, odd) floats.
+// Features [0, kPairBlock) of p as (even, odd) floats.
 inline Pairs load_pairs(const c10::BFloat16* p) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  return {_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), _mm256_castsi256_ps(_mm256_and_si256(v, high))};
+  typedef uint32_t Lanes __attribute__((vector_size(kVectorBytes)));
+  using Native = Vec<float>::Native;
+  Lanes v;
+  std::memcpy(&v, p, sizeof v);
+  return {Vec<float>(reinterpret_cast<Native>(v << 16)), Vec<float>(reinterpret_cast<Native>(v & 0xFFFF0000u))};
 }
-#else
-constexpr bool kHavePairs = false;
-#endif
 
 // Whether rows of this type and feature stride can be read in pair order.
 template <typename scalar_t>

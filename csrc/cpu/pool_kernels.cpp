@@ -127,7 +127,7 @@ struct MaxReducer {
   alignas(64) acc best[kMaxBlock];
   alignas(64) index_t where[kMaxBlock];
   // How many leading features best and where hold in pair order (bf16_pairs.h) until finish(): those of whole
-  // pair blocks for contiguous bfloat16 rows on AVX2, else none.
+  // pair blocks for contiguous bfloat16 rows on AVX2 or AVX-512, else none.
   int64_t paired = 0;
 
   void finish() {
@@ -161,7 +161,6 @@ struct MaxReducer {
       for (int r = 0; r < k; ++r) {
         positions[r] = Where(static_cast<index_t>(ls[r]));
       }
-#if defined(CPU_CAPABILITY_AVX2)
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
         constexpr int64_t kHalf = kPairBlock / 2;
         for (; i < paired; i += kPairBlock) {
@@ -179,7 +178,6 @@ struct MaxReducer {
           odd_at.store(where + i + kHalf);
         }
       }
-#endif
       for (; i + V::size() <= n; i += V::size()) {
         prefetch_ahead<4>(g, i);
         V m = V::loadu(best + i);

@@ -134,6 +134,18 @@ inline Vec<float> partial_dot_pairs(const c10::BFloat16* x, const float* q, int6
   return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
+// Prefetches the cache lines of row[begin, begin + n) of a contiguous row; nothing where row is null.
+template <typename scalar_t>
+[[gnu::always_inline]] inline void prefetch_lines(const scalar_t* row, int64_t begin, int64_t n) {
+  if (row == nullptr) {
+    return;
+  }
+  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t i = begin; i < begin + n; i += kLine) {
+    __builtin_prefetch(row + i);
+  }
+}
+
 // scale * <x_h, q_h> for each of `heads` heads (x_h: the row's slice of head h), into out[h]; with `pairs`
 // (use_pairs()) the query is in pair order. The forward and the backward both compute scores with this one
 // function, so a score recomputed in the backward has the bits it had in the forward. With AVX2 or AVX-512, narrow
@@ -141,7 +153,8 @@ inline Vec<float> partial_dot_pairs(const c10::BFloat16* x, const float* q, int6
 // 16): one vector's horizontal sum costs as much as a 64-feature head's products otherwise.
 template <typename scalar_t>
 inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>* q, int64_t heads, int64_t head_dim,
-                       acc_t<scalar_t> scale, bool pairs, acc_t<scalar_t>* out) {
+                       acc_t<scalar_t> scale, bool pairs, acc_t<scalar_t>* out,
+                       const scalar_t* prefetch_row = nullptr) {
   int64_t h = 0;
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<acc_t<scalar_t>, float>) {
@@ -156,8 +169,10 @@ inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>*
           if (j >= count) {
             partial[j] = Vec<float>(0);
           } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+            prefetch_lines(prefetch_row, (h + j) * head_dim, head_dim);
             partial[j] = pairs ? partial_dot_pairs(xj, qj, head_dim) : partial_dot<false>(xj, nullptr, qj, head_dim);
           } else {
+            prefetch_lines(prefetch_row, (h + j) * head_dim, head_dim);
             partial[j] = partial_dot<false>(xj, nullptr, qj, head_dim);
           }
         }
@@ -167,6 +182,7 @@ inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>*
   }
 #endif
   for (; h < heads; ++h) {
+    prefetch_lines(prefetch_row, h * head_dim, head_dim);
     out[h] = dot<false>(x + h * head_dim * stride, stride, nullptr, q + h * head_dim, head_dim) * scale;
   }
 }
@@ -222,7 +238,8 @@ struct SoftmaxReducer {
     const int k = g.k;
     // The group's scores, row by row (each row read once, front to back): s[r * heads + h].
     for (int r = 0; r < k; ++r) {
-      row_scores(g.rows[r], stride, query, heads, head_dim, scale, pairs, group_scores + r * heads);
+      row_scores(g.rows[r], stride, query, heads, head_dim, scale, pairs, group_scores + r * heads,
+                 stride == 1 ? g.ahead[r] : nullptr);
       if (scores != nullptr) {
         for (int64_t h = 0; h < heads; ++h) {
           scores[h * seq_len + g.ls[r]] = group_scores[r * heads + h];

@@ -14,9 +14,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "cpu/simd.h"
 
 namespace lmk_ops::cpu::CPU_CAPABILITY {
 
@@ -65,23 +63,30 @@ inline double exp_acc(double x) {
   return std::exp(x);
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// exp_acc of four floats.
-inline __m128 exp_acc4(__m128 x) {
+#if defined(__FMA__)
+// exp_acc of the Vec<double>::size() floats at v (4 with AVX2, 8 with AVX-512), in place: exp_acc's operations lane
+// by lane, so each value gets the bits the scalar form gives it.
+inline void exp_acc_vector(float* v) {
   using namespace exp_detail;
-  __m256d v = _mm256_cvtps_pd(x);
-  v = _mm256_max_pd(_mm256_set1_pd(-kClamp), v);
-  v = _mm256_min_pd(_mm256_set1_pd(kClamp), v);
-  const __m256d shifted = _mm256_fmadd_pd(v, _mm256_set1_pd(kLog2e), _mm256_set1_pd(kShifter));
-  const __m256d k = _mm256_sub_pd(shifted, _mm256_set1_pd(kShifter));
-  __m256d r = _mm256_fnmadd_pd(k, _mm256_set1_pd(kLn2Hi), v);
-  r = _mm256_fnmadd_pd(k, _mm256_set1_pd(kLn2Lo), r);
-  __m256d p = _mm256_set1_pd(kTaylor[0]);
+  using D = Vec<double>;
+  typedef float Narrow __attribute__((vector_size(kVectorBytes / 2)));
+  Narrow narrow;
+  std::memcpy(&narrow, v, sizeof narrow);
+  D::Native x = __builtin_convertvector(narrow, D::Native);
+  x = D(-kClamp).v > x ? D(-kClamp).v : x;  // as the scalar form: a NaN passes through
+  x = x > D(kClamp).v ? D(kClamp).v : x;
+  const D shifted = fmadd(D(x), D(kLog2e), D(kShifter));
+  const D k = shifted - D(kShifter);
+  D r = fmadd(k, D(-kLn2Hi), D(x));  // -k * kLn2Hi is k * -kLn2Hi exactly
+  r = fmadd(k, D(-kLn2Lo), r);
+  D p(kTaylor[0]);
   for (int i = 1; i < 11; ++i) {
-    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(kTaylor[i]));
+    p = fmadd(p, r, D(kTaylor[i]));
   }
-  const __m256i bits = _mm256_slli_epi64(_mm256_add_epi64(_mm256_castpd_si256(shifted), _mm256_set1_epi64x(1023)), 52);
-  return _mm256_cvtpd_ps(_mm256_mul_pd(p, _mm256_castsi256_pd(bits)));
+  using Bits = Vec<int64_t>::Native;
+  const Bits bits = (reinterpret_cast<Bits>(shifted.v) + 1023) << 52;  // 2^k: the low bits of `shifted` are k
+  narrow = __builtin_convertvector((p * D(reinterpret_cast<D::Native>(bits))).v, Narrow);
+  std::memcpy(v, &narrow, sizeof narrow);
 }
 #endif
 
@@ -89,10 +94,10 @@ inline __m128 exp_acc4(__m128 x) {
 template <typename acc>
 inline void exp_in_place(acc* v, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__FMA__)
   if constexpr (std::is_same_v<acc, float>) {
-    for (; i + 4 <= n; i += 4) {
-      _mm_storeu_ps(v + i, exp_acc4(_mm_loadu_ps(v + i)));
+    for (; i + Vec<double>::size() <= n; i += Vec<double>::size()) {
+      exp_acc_vector(v + i);
     }
   }
 #endif

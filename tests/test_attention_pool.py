@@ -1,6 +1,10 @@
 """attention_pool against lmk_ops.reference: output, weights and both gradients (hidden and query) over random
 shapes, heads, masks, dtypes and layouts; the contracts its docstring names; the modules; a short training run."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given
@@ -76,6 +80,36 @@ def test_every_head_count_in_every_dtype(heads, dtype):
     query = torch.randn(heads, 96 // heads, generator=gen)
     grad = torch.randn(4, 96, generator=gen).to(dtype)
     _check_case(AttentionCase(hidden, mask, query, None, True, grad, torch.randn(4, heads, 67, generator=gen)))
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2"])
+def test_every_compiled_cpu_capability_matches_reference(capability):
+    """The kernels are compiled per CPU capability and this machine runs its best; run the lower ones too, over the
+    paths that differ between them: one wide head, narrow heads reduced a vector's width at a time (a full group and
+    a partial one with AVX2's 8 lanes and AVX-512's 16), bfloat16 pair order, strided rows and several chunks."""
+    if capability == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU has no AVX2")
+    script = f"""
+import torch, lmk_ops
+from strategies import AttentionCase
+from test_attention_pool import _check_case
+assert lmk_ops.build_info()["cpu_capability"] == "{capability.upper()}", lmk_ops.build_info()
+gen = torch.Generator().manual_seed(0)
+for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+    for batch, seq_len, dim, heads, strided in ((3, 67, 96, 1, False), (3, 67, 192, 12, False), (2, 67, 192, 24, False),
+                                                (2, 67, 768, 24, False), (2, 67, 96, 6, True), (1, 1100, 96, 3, False)):
+        hidden = torch.randn(batch, dim, seq_len, generator=gen).transpose(1, 2) if strided else torch.randn(
+            batch, seq_len, dim, generator=gen)
+        query = torch.randn(heads, dim // heads, generator=gen)
+        _check_case(AttentionCase(hidden.to(dtype), torch.rand(batch, seq_len, generator=gen) < 0.7, query, None, True,
+                                  torch.randn(batch, dim, generator=gen).to(dtype),
+                                  torch.randn(batch, heads, seq_len, generator=gen)))
+"""
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=os.path.dirname(__file__), capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_heads_pool_their_own_slices():

@@ -1,9 +1,12 @@
 """The devices the suite runs on: the CPU always, CUDA when torch sees a GPU (the CUDA cases are skipped, and
-reported as skipped, elsewhere)."""
+reported as skipped, elsewhere); and the CPU kernels' lower capabilities, run in a subprocess."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,3 +25,19 @@ def on(device, value):
     return dataclasses.replace(value, **{
         f.name: on(device, getattr(value, f.name)) for f in dataclasses.fields(value)
         if isinstance(getattr(value, f.name), torch.Tensor)})
+
+
+LOWER_CPU_CAPABILITIES = ["default", "avx2"]
+
+
+def run_under_cpu_capability(capability: str, body: str) -> None:
+    """Runs body (Python, in the tests' directory, lmk_ops and torch imported) in a process whose CPU kernels are
+    those compiled for capability (ATen honours ATEN_CPU_CAPABILITY; this machine runs its best otherwise)."""
+    if capability == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU has no AVX2")
+    script = (f"import torch, lmk_ops\n"
+              f"assert lmk_ops.build_info()['cpu_capability'] == {capability.upper()!r}, lmk_ops.build_info()\n"
+              f"{body}")
+    result = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, ATEN_CPU_CAPABILITY=capability),
+                            cwd=os.path.dirname(__file__), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]

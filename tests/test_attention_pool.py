@@ -1,16 +1,12 @@
 """attention_pool against lmk_ops.reference: output, weights and both gradients (hidden and query) over random
 shapes, heads, masks, dtypes and layouts; the contracts its docstring names; the modules; a short training run."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from hypothesis import given
 
 import lmk_ops
-from devices import DEVICES, on
+from devices import DEVICES, LOWER_CPU_CAPABILITIES, on, run_under_cpu_capability
 from lmk_ops import reference
 from lmk_ops.nn import AttentionPooling, Pooling
 from parity import assert_matches, assert_same_bits_alone_and_padded
@@ -82,18 +78,14 @@ def test_every_head_count_in_every_dtype(heads, dtype):
     _check_case(AttentionCase(hidden, mask, query, None, True, grad, torch.randn(4, heads, 67, generator=gen)))
 
 
-@pytest.mark.parametrize("capability", ["default", "avx2"])
+@pytest.mark.parametrize("capability", LOWER_CPU_CAPABILITIES)
 def test_every_compiled_cpu_capability_matches_reference(capability):
     """The kernels are compiled per CPU capability and this machine runs its best; run the lower ones too, over the
     paths that differ between them: one wide head, narrow heads reduced a vector's width at a time (a full group and
     a partial one with AVX2's 8 lanes and AVX-512's 16), bfloat16 pair order, strided rows and several chunks."""
-    if capability == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        pytest.skip("this CPU has no AVX2")
-    script = f"""
-import torch, lmk_ops
+    run_under_cpu_capability(capability, """
 from strategies import AttentionCase
 from test_attention_pool import _check_case
-assert lmk_ops.build_info()["cpu_capability"] == "{capability.upper()}", lmk_ops.build_info()
 gen = torch.Generator().manual_seed(0)
 for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
     for batch, seq_len, dim, heads, strided in ((3, 67, 96, 1, False), (3, 67, 192, 12, False), (2, 67, 192, 24, False),
@@ -104,12 +96,7 @@ for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         _check_case(AttentionCase(hidden.to(dtype), torch.rand(batch, seq_len, generator=gen) < 0.7, query, None, True,
                                   torch.randn(batch, dim, generator=gen).to(dtype),
                                   torch.randn(batch, heads, seq_len, generator=gen)))
-"""
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-    result = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=os.path.dirname(__file__), capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+""")
 
 
 def test_heads_pool_their_own_slices():

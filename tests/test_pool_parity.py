@@ -11,7 +11,7 @@ from hypothesis import given
 
 import lmk_ops
 from lmk_ops import reference
-from devices import DEVICES, on
+from devices import DEVICES, LOWER_CPU_CAPABILITIES, on, run_under_cpu_capability
 from parity import OPS, assert_same_bits_alone_and_padded, check_against_reference, forward_and_grad
 from strategies import pool_cases
 
@@ -131,15 +131,11 @@ def test_empty_inputs_give_the_natural_result(op, shape):
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("capability", ["default", "avx2"])
+@pytest.mark.parametrize("capability", LOWER_CPU_CAPABILITIES)
 def test_every_compiled_cpu_capability_matches_reference(op, capability):
-    """The vectorised kernels are compiled per CPU capability; run the lower ones too (ATen honours the variable)."""
-    if capability == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        pytest.skip("this CPU has no AVX2")
-    script = f"""
-import torch, lmk_ops
+    """The vectorised kernels are compiled per CPU capability; run the lower ones too."""
+    run_under_cpu_capability(capability, f"""
 from parity import check_against_reference
-assert lmk_ops.build_info()["cpu_capability"] == "{capability.upper()}", lmk_ops.build_info()
 gen = torch.Generator().manual_seed(0)
 for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
     for b, l, d in ((3, 41, 300), (2, 7, 37), (1, 1, 1), (2, 1100, 40)):  # the last: several chunks
@@ -147,12 +143,7 @@ for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         mask = torch.rand(b, l, generator=gen) < 0.6
         check_against_reference("{op}", hidden, mask, torch.randn(b, d, generator=gen).to(dtype))
         check_against_reference("{op}", hidden[:, :, ::2], mask, torch.randn(b, (d + 1) // 2, generator=gen).to(dtype))
-"""
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-    result = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=os.path.dirname(__file__), capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+""")
 
 
 def test_capability_variable_never_selects_what_the_cpu_lacks():

@@ -202,6 +202,26 @@ def test_padding_side_batch_and_thread_count_do_not_change_the_bits():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_short_text_gives_the_same_bits_however_the_threads_split_its_heads(dtype):
+    # One chunk and 16 narrow heads: the threads split the heads into feature blocks (1 thread: one block of 16;
+    # 2: two of 8; 3: blocks of 6, 6 and 4; 8: four of 4), and each head's score must not depend on its block.
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(1, 300, 1024, generator=gen).to(dtype)
+    query = torch.randn(16, 64, generator=gen)
+    upstream = torch.randn(1, 1024, generator=gen).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3, 8):
+            torch.set_num_threads(n)
+            results.append(_run(lmk_ops.attention_pool, hidden, None, query, upstream, None))
+    finally:
+        torch.set_num_threads(threads)
+    for run in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], run))
+
+
 def test_query_dtype_is_independent_of_hidden_dtype():
     # A float32 query (a module's parameter) with bfloat16 states, as under mixed precision: the gradient comes back
     # in float32, and the result equals that of the query rounded to nothing (it is used in float32 either way).

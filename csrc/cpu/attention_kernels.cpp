@@ -464,7 +464,7 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
   // Each chunk's softmax state (running max, total, weighted sum), merged per text below in chunk order.
   std::vector<acc> part_max(batch * chunks * heads);
   std::vector<double> part_sum(batch * chunks * heads), part_out(batch * chunks * dim);
-  const int64_t unit = head_block_unit(heads, head_dim, batch * chunks);  // batch * chunks: at most the chunks
+  const int64_t unit = head_block_unit(heads, head_dim, batch * chunks);  // a bound above the chunk count
   for_each_chunk(list, batch, dim, unit, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n,
                                              const ChunkRows& chunk_rows) {
     const int64_t h0 = d0 / head_dim, block_heads = n / head_dim;
@@ -602,7 +602,7 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
   std::vector<acc> prob(row_texts * heads * seq_len), err(row_texts * heads * seq_len);
   std::vector<double> part_pex(batch * chunks * dim, 0.0), part_px(batch * chunks * dim, 0.0);
   std::vector<double> part_pe(batch * chunks * heads, 0.0);
-  const int64_t unit = head_block_unit(heads, head_dim, batch * chunks);  // batch * chunks: at most the chunks
+  const int64_t unit = head_block_unit(heads, head_dim, batch * chunks);  // a bound above the chunk count
   for_each_chunk(list, batch, dim, unit, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n,
                                              const ChunkRows& chunk_rows) {
     const int64_t h0 = d0 / head_dim, block_heads = n / head_dim, part = b * chunks + chunk;

@@ -152,6 +152,10 @@ inline Vec<float> partial_dot_pairs(const c10::BFloat16* x, const float* q, int6
   return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
+// Heads up to this wide are narrow: row_scores reduces them a vector's width at a time, and head_block_unit keeps
+// that many in one feature block.
+constexpr int64_t kNarrowHeadDim = 256;
+
 // scale * <x_h, q_h> for each of `heads` heads (x_h: the row's slice of head h), into out[h]; with `pairs`
 // (use_pairs()) the query is in pair order. The forward and the backward both compute scores with this one
 // function, so a score recomputed in the backward has the bits it had in the forward. With AVX2 or AVX-512, narrow
@@ -162,18 +166,19 @@ template <typename scalar_t>
 inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>* q, int64_t heads, int64_t head_dim,
                        acc_t<scalar_t> scale, bool pairs, acc_t<scalar_t>* out,
                        const scalar_t* prefetch_row = nullptr) {
+  const auto prefetch_head = [&](int64_t h) { return prefetch_row != nullptr ? prefetch_row + h * head_dim : nullptr; };
   int64_t h = 0;
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<acc_t<scalar_t>, float>) {
     constexpr int64_t kLanes = Vec<float>::size();
-    if (pairs || (stride == 1 && head_dim % kLanes == 0 && head_dim <= 256)) {
+    if (pairs || (stride == 1 && head_dim % kLanes == 0 && head_dim <= kNarrowHeadDim)) {
       for (; h < heads; h += kLanes) {
         const int64_t count = std::min<int64_t>(kLanes, heads - h);
         Vec<float> partial[kLanes];
         for (int64_t j = 0; j < kLanes; ++j) {
           const scalar_t* xj = x + (h + j) * head_dim;
           const float* qj = q + (h + j) * head_dim;
-          const scalar_t* pj = prefetch_row != nullptr ? prefetch_row + (h + j) * head_dim : nullptr;
+          const scalar_t* pj = prefetch_head(h + j);
           if (j >= count) {
             partial[j] = Vec<float>(0);
           } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
@@ -189,8 +194,8 @@ inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>*
   }
 #endif
   for (; h < heads; ++h) {
-    const scalar_t* ph = prefetch_row != nullptr ? prefetch_row + h * head_dim : nullptr;
-    out[h] = dot<false>(x + h * head_dim * stride, stride, nullptr, q + h * head_dim, head_dim, ph) * scale;
+    out[h] = dot<false>(x + h * head_dim * stride, stride, nullptr, q + h * head_dim, head_dim, prefetch_head(h)) *
+             scale;
   }
 }
 
@@ -434,7 +439,7 @@ inline acc probability(acc score, const double* stats) {
 // partial sums are reduced alone.)
 inline int64_t head_block_unit(int64_t heads, int64_t head_dim, int64_t chunks) {
   constexpr int64_t kLanes = Vec<float>::size();
-  if (head_dim > 256) {
+  if (head_dim > kNarrowHeadDim) {
     return head_dim;
   }
   const int64_t threads = static_cast<int64_t>(torch::stable::get_num_threads());

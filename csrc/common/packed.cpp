@@ -173,9 +173,13 @@ PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, c
   packed.tokens = tokens;
   packed.max_seqlen = max_seqlen;
   if (takes_host_path(cu_seqlens)) {  // one loop: ATen ops would cost more than the work (a first_token_pool's share)
+    // starts is a tensor of its own rather than a view of offsets: a view costs as much as an allocation and the
+    // loop here together, a measurable share of a first_token_pool call.
     packed.offsets = empty_on(cu_seqlens, {packed.batch + 1}, ScalarType::Long);
+    packed.starts = empty_on(cu_seqlens, {packed.batch}, ScalarType::Long);
     packed.lengths = empty_on(cu_seqlens, {packed.batch}, ScalarType::Long);
     int64_t* o = packed.offsets.mutable_data_ptr<int64_t>();
+    int64_t* s = packed.starts.mutable_data_ptr<int64_t>();
     int64_t* n = packed.lengths.mutable_data_ptr<int64_t>();
     const int64_t stride = cu_seqlens.stride(0);
     LMK_DISPATCH_INDEX(cu_seqlens.scalar_type(), "prepare_packed", [&] {
@@ -183,16 +187,16 @@ PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, c
       for (int64_t b = 0; b <= packed.batch; ++b) {
         o[b] = c[b * stride];
         if (b > 0) {
+          s[b - 1] = o[b - 1];
           n[b - 1] = o[b] - o[b - 1];
         }
       }
     });
   } else {
     packed.offsets = as_contiguous(to_dtype(cu_seqlens, ScalarType::Long));
-    packed.lengths = sub(slice(packed.offsets, 0, 1, packed.batch),
-                         slice(packed.offsets, 0, 0, packed.batch));
+    packed.starts = slice(packed.offsets, 0, 0, packed.batch);
+    packed.lengths = sub(slice(packed.offsets, 0, 1, packed.batch), packed.starts);
   }
-  packed.starts = slice(packed.offsets, 0, 0, packed.batch);
   if (values == Values::kCheck) {
     check_offsets(op, packed, like);
   }

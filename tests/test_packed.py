@@ -131,6 +131,41 @@ def test_a_text_pools_to_the_same_bits_packed_padded_and_alone(device, lengths, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads", [1, 4])
+@pytest.mark.parametrize("masked", [False, True])
+def test_packed_attention_weights_and_their_gradients_are_the_padded_ones(device, heads, masked):
+    """return_weights packed: weights [H, T] (a [D] query: [T]) hold each text's padded weights at its rows, and
+    gradients through the weights as well as the output have the padded bits (hidden's and the query's)."""
+    lengths, dim = [5, 0, 300, 1, 640], 32  # texts of several chunks, an empty one
+    gen = torch.Generator().manual_seed(11)
+    selected = torch.rand(sum(lengths), generator=gen) < 0.8 if masked else None
+    packed, offsets, token_mask, pads = _layouts(lengths, dim, torch.float32, False, selected, device)
+    query = torch.randn(heads, dim // heads, generator=gen).squeeze(0).to(device)
+
+    def run(hidden, mask, weights_to_rows, **packed_args):
+        h, q = hidden.detach().requires_grad_(), query.clone().requires_grad_()
+        out, weights = lmk_ops.attention_pool(h, mask, q, return_weights=True, **packed_args)
+        upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(device)
+        rows = weights_to_rows(weights)
+        upstream_weights = torch.randn(rows.shape, generator=torch.Generator().manual_seed(6)).to(device)
+        grad_h, grad_q = torch.autograd.grad((out * upstream).sum() + (rows * upstream_weights).sum(), (h, q))
+        return out, rows, grad_h, grad_q
+
+    as_heads = (lambda w: w.unsqueeze(0)) if heads == 1 else (lambda w: w)
+    out, weights, grad_h, grad_q = run(packed, token_mask, as_heads, cu_seqlens=offsets)
+    assert weights.shape == (heads, sum(lengths))
+    for side, (hidden, mask) in pads.items():
+        def padded_rows(w):  # [B, (H,) W] as [H, T]: each text's weights at its packed rows
+            w = w.unsqueeze(1) if heads == 1 else w
+            return _rows_of(w.permute(0, 2, 1), lengths, side).t()
+        padded = run(hidden, mask, padded_rows)
+        for name, mine, theirs in zip(["output", "weights", "hidden gradient"], (out, weights, grad_h),
+                                      (padded[0], padded[1], _rows_of(padded[2], lengths, side))):
+            assert torch.equal(mine, theirs), f"{side}-padded: packed {name} differs"
+        assert torch.equal(grad_q, padded[3]), f"{side}-padded: packed query gradient differs"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_packed_landmark_positions_count_from_each_text_and_repeat(device):
     hidden = torch.randn(9, 6, dtype=torch.float64, device=device, requires_grad=True)
     offsets = torch.tensor([0, 4, 4, 9], device=device)

@@ -200,8 +200,8 @@ template <typename scalar_t, int VEC, int P>
 __global__ void __launch_bounds__(kThreads)
     attention_chunks(const scalar_t* hidden, int64_t sb, int64_t sl, int64_t sd, SelectedRows rows,
                      const acc_t<scalar_t>* query, acc_t<scalar_t> scale, int64_t heads, HeadLayout layout,
-                     int64_t chunks, scalar_t* out, double* stats, acc_t<scalar_t>* scores, acc_t<scalar_t>* part_max,
-                     acc_t<scalar_t>* part_sum, acc_t<scalar_t>* part_out) {
+                     int64_t chunks, scalar_t* out, double* stats, acc_t<scalar_t>* scores, int64_t row_values_batch,
+                     acc_t<scalar_t>* part_max, acc_t<scalar_t>* part_sum, acc_t<scalar_t>* part_out) {
   using acc = acc_t<scalar_t>;
   constexpr acc kNegInf = -std::numeric_limits<acc>::infinity();
   constexpr int R = kRowsInFlight / P;  // a lane with more packs keeps fewer rows in flight (same registers)
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(kThreads)
       if (at[r] >= 0) {
         top = s[r] > top ? s[r] : top;
         if (scores != nullptr && me.leader) {
-          scores[(b * heads + me.head) * rows.seq_len + at[r]] = s[r];
+          scores[b * row_values_batch + me.head * rows.seq_len + at[r]] = s[r];
         }
       }
     }
@@ -373,19 +373,20 @@ __global__ void attention_combine(const acc_t<scalar_t>* part_max, const acc_t<s
   }
 }
 
-// weights[b, h, l] = exp(score - max) / sum for the valid rows (scores were left there by attention_chunks).
+// weights[b, h, l] (packed: [h, l]) = exp(score - max) / sum for the valid rows (scores were left there by
+// attention_chunks).
 template <typename acc>
-__global__ void scores_to_weights(acc* weights, const double* stats, SelectedRows rows, int64_t batch,
-                                  int64_t heads, int64_t upper) {
+__global__ void scores_to_weights(acc* weights, int64_t row_values_batch, const double* stats, SelectedRows rows,
+                                  int64_t batch, int64_t heads, int64_t upper) {
   const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (i >= batch * heads * upper) {
     return;
   }
-  const int64_t bh = i / upper, j = i % upper, b = bh / heads;
+  const int64_t bh = i / upper, j = i % upper, b = bh / heads, h = bh % heads;
   if (j >= rows.rows(b)) {
     return;
   }
-  acc& w = weights[bh * rows.seq_len + rows.row(b, j)];
+  acc& w = weights[b * row_values_batch + h * rows.seq_len + rows.row(b, j)];
   w = device_exp(w - static_cast<acc>(stats[bh * 2])) / static_cast<acc>(stats[bh * 2 + 1]);
 }
 
@@ -395,8 +396,8 @@ __global__ void __launch_bounds__(kThreads)
                               const acc_t<scalar_t>* query, acc_t<scalar_t> scale, int64_t heads, HeadLayout layout,
                               int64_t chunks, const acc_t<scalar_t>* grad, const acc_t<scalar_t>* grad_weights,
                               const acc_t<scalar_t>* out, const double* stats, acc_t<scalar_t>* prob,
-                              acc_t<scalar_t>* err, acc_t<scalar_t>* part_pe, acc_t<scalar_t>* part_pex,
-                              acc_t<scalar_t>* part_px) {
+                              acc_t<scalar_t>* err, int64_t row_values_batch, acc_t<scalar_t>* part_pe,
+                              acc_t<scalar_t>* part_pex, acc_t<scalar_t>* part_px) {
   using acc = acc_t<scalar_t>;
   constexpr int R = kRowsInFlight / P;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
@@ -407,7 +408,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   const int64_t end = std::min(begin + kChunkRows, n), dim = heads * layout.head_packs * VEC;
   const HeadLane<P> me = head_lane<P>(layout, tile, heads);
-  const int64_t bh = b * heads + std::min(me.head, heads - 1);
+  const int64_t head = std::min(me.head, heads - 1), bh = b * heads + head;
   const acc best = static_cast<acc>(stats[bh * 2]), total = static_cast<acc>(stats[bh * 2 + 1]);
   acc q[P][VEC], g[P][VEC], m[P][VEC], pex[P][VEC], px[P][VEC], pe = 0;
   load_lane_wide(query, me, layout.seg, q);
@@ -448,7 +449,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int r = 0; r < R; ++r) {
       if (at[r] >= 0) {
         const acc p = device_exp(sums[r] * scale - best) / total;
-        const int64_t row = bh * rows.seq_len + at[r];
+        const int64_t row = b * row_values_batch + head * rows.seq_len + at[r];
         const acc e = sums[R + r] + (grad_weights != nullptr ? grad_weights[row] : acc(0));
         if (me.leader) {
           prob[row] = p;
@@ -540,25 +541,28 @@ __global__ void attention_text_sums(const acc* part_pe, const acc* part_pex, con
 }
 
 // Every row of grad_hidden, a warp per row: p g + scale p (e - S) q for a valid row, zeros elsewhere. Packs never
-// straddle heads, so each pack reads its head's p, e and S once and grad and query as packs.
+// straddle heads, so each pack reads its head's p, e and S once and grad and query as packs. Rows: batch * seq_len
+// of a padded batch, or the seq_len rows of a packed one (text_of_row names each row's text).
 template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kThreads)
-    attention_grad_rows(const bool* valid, const acc_t<scalar_t>* prob, const acc_t<scalar_t>* err,
-                        const acc_t<scalar_t>* text_sums, const acc_t<scalar_t>* grad, const acc_t<scalar_t>* query,
-                        acc_t<scalar_t> scale, int64_t batch, int64_t seq_len, int64_t heads, int64_t head_dim,
-                        scalar_t* grad_hidden) {
+    attention_grad_rows(const bool* valid, const int64_t* text_of_row, const acc_t<scalar_t>* prob,
+                        const acc_t<scalar_t>* err, int64_t row_values_batch, const acc_t<scalar_t>* text_sums,
+                        const acc_t<scalar_t>* grad, const acc_t<scalar_t>* query, acc_t<scalar_t> scale,
+                        int64_t rows, int64_t seq_len, int64_t heads, int64_t head_dim, scalar_t* grad_hidden) {
   using acc = acc_t<scalar_t>;
   const int lane = threadIdx.x % 32;
   const int64_t dim = heads * head_dim, packs = dim / VEC, head_packs = head_dim / VEC;
-  for_each_warp_row(batch * seq_len, [&](int64_t row) {
-    const int64_t b = row / seq_len, l = row % seq_len;
+  for_each_warp_row(rows, [&](int64_t row) {
+    const int64_t b = text_of_row != nullptr ? text_of_row[row] : row / seq_len;
+    const int64_t l = text_of_row != nullptr ? row : row % seq_len;
     const bool is_valid = valid == nullptr || valid[row];
     for (int64_t v = lane; v < packs; v += 32) {
       acc x[VEC];
       if (is_valid) {
-        const int64_t bh = b * heads + static_cast<int32_t>(v) / static_cast<int32_t>(head_packs);  // D < 2^31
-        const acc p = prob[bh * seq_len + l];
-        const acc c = scale * p * (err[bh * seq_len + l] - text_sums[bh]);
+        const int64_t h = static_cast<int32_t>(v) / static_cast<int32_t>(head_packs);  // D < 2^31
+        const int64_t at = b * row_values_batch + h * seq_len + l, bh = b * heads + h;
+        const acc p = prob[at];
+        const acc c = scale * p * (err[at] - text_sums[bh]);
         acc g[VEC], q[VEC];
         load_pack<VEC>(grad + b * dim + v * VEC, g);
         load_pack<VEC>(query + v * VEC, q);
@@ -604,38 +608,52 @@ struct Plan {
   RowList list;
   int64_t chunks;
   HeadLayout layout;
-  ScalarType wide;  // the accumulation type
+  ScalarType wide;            // the accumulation type
+  int64_t row_values_batch;  // elements between two texts' per-row values (weights, p, e): H * L, packed 0
 };
+
+// hidden's rows in an aligned contiguous copy. A packed batch (batch stride 0: every text views the same T rows)
+// copies its T rows once and views them as the batch again.
+Tensor contiguous_rows(const Tensor& hidden) {
+  const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
+  if (hidden.stride(0) != 0) {
+    Tensor copy = empty_on(hidden, hidden.sizes(), hidden.scalar_type());
+    torch::stable::copy_(copy, hidden);
+    return copy;
+  }
+  Tensor rows = empty_on(hidden, {seq_len, dim}, hidden.scalar_type());
+  torch::stable::copy_(rows, as_strided(hidden, {seq_len, dim}, {hidden.stride(1), hidden.stride(2)}));
+  return as_strided(rows, {batch, seq_len, dim}, {0, dim, 1});
+}
 
 // A head wider than kMaxHeadPacks features on the strided path (rows not contiguous or not 16-byte aligned) is read
 // from an aligned contiguous copy, which holds it in packs; the widest head is then kMaxHeadPacks packs.
 template <typename scalar_t>
-Plan make_plan(const Tensor& hidden, const Tensor& valid, const Tensor& query) {
+Plan make_plan(const Tensor& hidden, const AttentionRows& rows, const Tensor& query) {
   constexpr int kWidest = 16 / sizeof(scalar_t);
   const int64_t batch = hidden.size(0), seq_len = hidden.size(1), heads = query.size(0), head_dim = query.size(1);
   Tensor source = hidden;
   int vec = vector_width<scalar_t>(hidden, head_dim);
   if (vec == 1 && head_dim > kMaxHeadPacks && head_dim % kWidest == 0) {
-    source = empty_on(hidden, hidden.sizes(), hidden.scalar_type());
-    torch::stable::copy_(source, hidden);
+    source = contiguous_rows(hidden);
     vec = vector_width<scalar_t>(source, head_dim);
   }
   LMK_CHECK(
       head_dim / vec <= kMaxHeadPacks, "lmk_ops.attention_pool: on CUDA a head is at most ",
       kMaxHeadPacks * kWidest, " features wide in ", torch::headeronly::toString(hidden.scalar_type()), " (", kMaxHeadPacks,
       " when its width is not a multiple of ", kWidest, "), got ", head_dim);
-  RowList list = select_valid(valid, batch, seq_len);
+  RowList list = select_rows(rows.listed, batch, seq_len);
   const int64_t chunks = std::max<int64_t>(1, ceil_div(list.upper, kChunkRows));
   return {batch, seq_len, hidden.size(2), heads, head_dim, source, std::move(list), chunks,
-          head_layout(vec, heads, head_dim), acc_dtype(hidden.scalar_type())};
+          head_layout(vec, heads, head_dim), acc_dtype(hidden.scalar_type()), rows.packed() ? 0 : heads * seq_len};
 }
 
 template <typename scalar_t>
-void forward_typed(const Tensor& hidden_in, const Tensor& valid, const Tensor& query, double scale,
+void forward_typed(const Tensor& hidden_in, const AttentionRows& rows, const Tensor& query, double scale,
                    Tensor& out, Tensor& stats, Tensor& weights) {
   using acc = acc_t<scalar_t>;
-  const Plan plan = make_plan<scalar_t>(hidden_in, valid, query);
-  const auto& [batch, seq_len, dim, heads, head_dim, hidden, list, chunks, layout, wide] = plan;
+  const Plan plan = make_plan<scalar_t>(hidden_in, rows, query);
+  const auto& [batch, seq_len, dim, heads, head_dim, hidden, list, chunks, layout, wide, row_values_batch] = plan;
   Tensor part_max, part_sum, part_out;
   if (chunks > 1) {
     part_max = empty_on(hidden, {batch, chunks, heads}, wide);
@@ -649,7 +667,8 @@ void forward_typed(const Tensor& hidden_in, const Tensor& valid, const Tensor& q
         <<<checked_blocks(batch * chunks * layout.tiles), dim3(layout.lanes, layout.row_lanes), shared, stream()>>>(
             hidden.const_data_ptr<scalar_t>(), hidden.stride(0), hidden.stride(1), hidden.stride(2), list.view(),
             query.const_data_ptr<acc>(), static_cast<acc>(scale), heads, layout, chunks, out.mutable_data_ptr<scalar_t>(),
-            stats.mutable_data_ptr<double>(), data(weights), data(part_max), data(part_sum), data(part_out));
+            stats.mutable_data_ptr<double>(), data(weights), row_values_batch, data(part_max), data(part_sum),
+            data(part_out));
     check_launch();
   });
   if (chunks > 1) {
@@ -660,19 +679,23 @@ void forward_typed(const Tensor& hidden_in, const Tensor& valid, const Tensor& q
   }
   if (weights.defined()) {
     scores_to_weights<acc><<<ceil_div(batch * heads * list.upper, kThreads), kThreads, 0, stream()>>>(
-        weights.mutable_data_ptr<acc>(), stats.const_data_ptr<double>(), list.view(), batch, heads, list.upper);
+        weights.mutable_data_ptr<acc>(), row_values_batch, stats.const_data_ptr<double>(), list.view(), batch, heads,
+        list.upper);
     check_launch();
   }
 }
 
 template <typename scalar_t>
 void backward_typed(const Tensor& grad, const Tensor& grad_weights, const Tensor& hidden_in,
-                    const Tensor& valid, const Tensor& query, const Tensor& out, const Tensor& stats,
+                    const AttentionRows& rows, const Tensor& query, const Tensor& out, const Tensor& stats,
                     double scale, Tensor& grad_hidden, Tensor& grad_query) {
   using acc = acc_t<scalar_t>;
-  const Plan plan = make_plan<scalar_t>(hidden_in, valid, query);
-  const auto& [batch, seq_len, dim, heads, head_dim, hidden, list, chunks, layout, wide] = plan;
-  Tensor prob = empty_on(hidden, {batch, heads, seq_len}, wide), err = empty_on(hidden, {batch, heads, seq_len}, wide);
+  const Plan plan = make_plan<scalar_t>(hidden_in, rows, query);
+  const auto& [batch, seq_len, dim, heads, head_dim, hidden, list, chunks, layout, wide, row_values_batch] = plan;
+  // p and e per (text, head, row): [B, H, L], or [H, T] for a packed batch (its texts' rows never overlap).
+  const int64_t row_texts = rows.packed() ? 1 : batch;
+  Tensor prob = empty_on(hidden, {row_texts, heads, seq_len}, wide);
+  Tensor err = empty_on(hidden, {row_texts, heads, seq_len}, wide);
   Tensor part_pe = empty_on(hidden, {batch, chunks, heads}, wide);
   Tensor part_pex = empty_on(hidden, {batch, chunks, dim}, wide), part_px = empty_on(hidden, {batch, chunks, dim}, wide);
   Tensor text_sums = empty_on(hidden, {batch, heads}, wide), query_shares = empty_on(hidden, {batch, dim}, wide);
@@ -684,8 +707,9 @@ void backward_typed(const Tensor& grad, const Tensor& grad_weights, const Tensor
             hidden.const_data_ptr<scalar_t>(), hidden.stride(0), hidden.stride(1), hidden.stride(2), list.view(),
             query.const_data_ptr<acc>(), wide_scale, heads, layout, chunks, grad.const_data_ptr<acc>(),
             grad_weights.defined() ? grad_weights.const_data_ptr<acc>() : nullptr, out.const_data_ptr<acc>(),
-            stats.const_data_ptr<double>(), prob.mutable_data_ptr<acc>(), err.mutable_data_ptr<acc>(), part_pe.mutable_data_ptr<acc>(),
-            part_pex.mutable_data_ptr<acc>(), part_px.mutable_data_ptr<acc>());
+            stats.const_data_ptr<double>(), prob.mutable_data_ptr<acc>(), err.mutable_data_ptr<acc>(),
+            row_values_batch, part_pe.mutable_data_ptr<acc>(), part_pex.mutable_data_ptr<acc>(),
+            part_px.mutable_data_ptr<acc>());
     check_launch();
   });
   attention_text_sums<acc><<<ceil_div(batch * dim, kThreads), kThreads, 0, stream()>>>(
@@ -696,35 +720,34 @@ void backward_typed(const Tensor& grad, const Tensor& grad_weights, const Tensor
   torch::stable::sum_out(flat_grad_query, query_shares, torch::headeronly::IntHeaderOnlyArrayRef({int64_t{0}}));
   int vec = vector_width<scalar_t>(grad_hidden, head_dim);
   vec = packs_fit(grad, vec) && packs_fit(query, vec) ? vec : 1;
+  const int64_t grad_rows = rows.packed() ? seq_len : batch * seq_len;
   with_vector_width<scalar_t>(vec, [&]<int VEC>() {
-    attention_grad_rows<scalar_t, VEC><<<grid_for(batch * seq_len, kWarpsPerBlock), kThreads, 0, stream()>>>(
-        valid.defined() ? valid.const_data_ptr<bool>() : nullptr, prob.const_data_ptr<acc>(),
-        err.const_data_ptr<acc>(), text_sums.const_data_ptr<acc>(), grad.const_data_ptr<acc>(),
-        query.const_data_ptr<acc>(), wide_scale, batch, seq_len, heads, head_dim, grad_hidden.mutable_data_ptr<scalar_t>());
+    attention_grad_rows<scalar_t, VEC><<<grid_for(grad_rows, kWarpsPerBlock), kThreads, 0, stream()>>>(
+        rows.valid.defined() ? rows.valid.const_data_ptr<bool>() : nullptr,
+        rows.packed() ? rows.text_of_row.const_data_ptr<int64_t>() : nullptr, prob.const_data_ptr<acc>(),
+        err.const_data_ptr<acc>(), row_values_batch, text_sums.const_data_ptr<acc>(), grad.const_data_ptr<acc>(),
+        query.const_data_ptr<acc>(), wide_scale, grad_rows, seq_len, heads, head_dim,
+        grad_hidden.mutable_data_ptr<scalar_t>());
     check_launch();
   });
 }
 
 }  // namespace
 
-// Padded batches only: the op layer pads a packed batch before it comes here (ops/attention_ops.cpp).
 void attention_forward(const Tensor& hidden, const AttentionRows& rows, const Tensor& query, double scale,
                        Tensor& out, Tensor& stats, Tensor& weights) {
-  LMK_CHECK(!rows.packed(), "lmk_ops: the CUDA attention kernels take padded batches");
   const auto guard = on_device_of(hidden);
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "attention_pool", [&] {
-    forward_typed<scalar_t>(hidden, rows.listed.mask, query, scale, out, stats, weights);
+    forward_typed<scalar_t>(hidden, rows, query, scale, out, stats, weights);
   });
 }
 
 void attention_backward(const Tensor& grad, const Tensor& grad_weights, const Tensor& hidden,
                         const AttentionRows& rows, const Tensor& query, const Tensor& out,
                         const Tensor& stats, double scale, Tensor& grad_hidden, Tensor& grad_query) {
-  LMK_CHECK(!rows.packed(), "lmk_ops: the CUDA attention kernels take padded batches");
   const auto guard = on_device_of(hidden);
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "attention_pool_backward", [&] {
-    backward_typed<scalar_t>(grad, grad_weights, hidden, rows.listed.mask, query, out, stats, scale, grad_hidden,
-                             grad_query);
+    backward_typed<scalar_t>(grad, grad_weights, hidden, rows, query, out, stats, scale, grad_hidden, grad_query);
   });
 }
 

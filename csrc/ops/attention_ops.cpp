@@ -5,7 +5,6 @@
 #include <vector>
 
 #include "common/checks.h"
-#include "common/host_path.h"
 #include "common/packed.h"
 #include "common/tensor_ops.h"
 #include "ops/kernels.h"
@@ -16,24 +15,6 @@ namespace {
 // The query as the kernels take it: [H, D / H], contiguous, in the accumulation type of hidden's dtype.
 Tensor wide_query(const Tensor& query, const Heads& heads, ScalarType acc) {
   return as_contiguous(to_dtype(torch::stable::reshape(query, {heads.count, heads.dim}), acc));
-}
-
-// A packed batch copied into padded form [B, W, D] (W the longest text), for the devices whose attention kernels
-// take padded batches only (CUDA, for now): row t of the packed batch is row slot[t] of the padded one flattened to
-// [B * W, D]. The padded kernels then give each text the same bits as a padded batch would.
-struct PaddedCopy {
-  Tensor hidden, valid, slot;
-};
-
-PaddedCopy pad_packed(const Tensor& hidden, const PackedBatch& packed, const Tensor& valid) {
-  const int64_t width = packed.width(), rows = packed.batch * width;
-  const Tensor text = packed.text_of_rows();
-  const Tensor slot = add(mul(text, width), sub(arange_on(text, packed.tokens), index_select(packed.starts, 0, text)));
-  const Tensor padded = index_copy(zeros_on(hidden, {rows, hidden.size(1)}, hidden.scalar_type()), 0, slot, hidden);
-  const Tensor all_valid = valid.defined() ? valid : full_on(hidden, {packed.tokens}, 1, ScalarType::Bool);
-  const Tensor padded_valid = index_copy(zeros_on(hidden, {rows}, ScalarType::Bool), 0, slot, all_valid);
-  return {torch::stable::view(padded, {packed.batch, width, hidden.size(1)}),
-          torch::stable::view(padded_valid, {packed.batch, width}), slot};
 }
 
 // The rows the attention kernels take: a padded batch's valid mask, or a packed batch's lists.
@@ -84,17 +65,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_pool(const Tensor& hidden_in, const
     const Heads heads = check_query(op, query, view);
     const double s = resolve_scale(op, scale, heads.dim);
     const Tensor valid = prepare_packed_mask(op, mask, packed, hidden);
-    if (takes_host_path(hidden)) {
-      return attention_forward(view, packed_rows(packed, valid), query, heads, s, return_weights);
-    }
-    const PaddedCopy copy = pad_packed(hidden, packed, valid);
-    auto [out, stats, weights] = attention_forward(copy.hidden, padded_rows(copy.valid), query, heads, s,
-                                                   return_weights);
-    if (return_weights) {  // [B, H, W] to [H, T]
-      weights = index_select(torch::stable::reshape(torch::stable::transpose(weights, 0, 1), {heads.count, -1}), 1,
-                             copy.slot);
-    }
-    return {out, stats, weights};
+    return attention_forward(view, packed_rows(packed, valid), query, heads, s, return_weights);
   }
   check_hidden(op, hidden);
   const Heads heads = check_query(op, query, hidden);
@@ -150,19 +121,7 @@ std::tuple<Tensor, Tensor> attention_pool_backward(
     const int64_t batch = packed.batch, dim = hidden.size(1);
     check_backward_inputs(op, grad, gw, out, stats, batch, dim, heads, {heads.count, packed.tokens}, hidden);
     const Tensor valid = prepare_packed_mask(op, mask, packed, hidden, Values::kTrusted);
-    if (takes_host_path(hidden)) {
-      return attention_backward(grad, gw, view, packed_rows(packed, valid), query, heads, out, stats, s);
-    }
-    const PaddedCopy copy = pad_packed(hidden, packed, valid);
-    const int64_t width = copy.hidden.size(1);
-    Tensor padded_gw;
-    if (gw.defined()) {  // [H, T] to [B, H, W]
-      const Tensor spread = index_copy(zeros_on(gw, {heads.count, batch * width}, gw.scalar_type()), 1, copy.slot, gw);
-      padded_gw = torch::stable::transpose(torch::stable::view(spread, {heads.count, batch, width}), 0, 1);
-    }
-    auto [grad_hidden, grad_query] =
-        attention_backward(grad, padded_gw, copy.hidden, padded_rows(copy.valid), query, heads, out, stats, s);
-    return {index_select(torch::stable::view(grad_hidden, {batch * width, dim}), 0, copy.slot), grad_query};
+    return attention_backward(grad, gw, view, packed_rows(packed, valid), query, heads, out, stats, s);
   }
   check_hidden(op, hidden);
   const Heads heads = check_query(op, query, hidden);

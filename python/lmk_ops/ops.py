@@ -266,8 +266,7 @@ def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale:
         scale: multiplies the scores ``<hidden[b, l, slice_h], query[h]>``; default ``1 / sqrt(D // H)``.
         return_weights: also return the probabilities, differentiable.
         cu_seqlens, max_seqlen: a packed batch, as for :func:`mean_pool`; the weights are then ``[T]`` or
-            ``[H, T]``. (On CUDA, for now, a packed batch is copied into padded form ``[B, longest, D]`` for the
-            padded kernels: the same bits, not yet the packed layout's memory saving.)
+            ``[H, T]``.
 
     Returns:
         ``[B, D]`` in hidden's dtype: per head, the probability-weighted sum of its slice, with the softmax in

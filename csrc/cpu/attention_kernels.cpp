@@ -2,7 +2,7 @@
 //
 // Work split (forward and backward): each text's valid rows are cut into chunks (kChunkRows, kernel_common.h), and
 // tasks are (text, chunk, block of whole heads), so one long text is spread over every thread; a second pass merges
-// each text's chunks in chunk order. Every (text, head) result depends only on that text's valid rows, taken in
+// the chunks of each text of several in chunk order (a text of one chunk is finished by its chunk's task). Every (text, head) result depends only on that text's valid rows, taken in
 // order, so a text pools to the same bits alone or in a batch, whatever the padding side or the thread count.
 //
 // Forward, per chunk: one pass over the chunk's rows with an online softmax, a group of rows at a time. The group's
@@ -466,9 +466,28 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
   const int64_t weights_batch = rows.packed() ? 0 : heads * seq_len;
   const ScoreQuery<scalar_t> query_in_order(q, dim, sd, head_dim);
   const bool pairs = query_in_order.pairs;
-  // Each chunk's softmax state (running max, total, weighted sum), merged per text below in chunk order.
-  std::vector<acc> part_max(batch * chunks * heads);
-  std::vector<double> part_sum(batch * chunks * heads), part_out(batch * chunks * dim);
+  // Text b's results for head hh from its softmax state over all its rows (max score, total, weighted sum of its
+  // slice): the output, the statistics and, when asked, the probabilities of its rows.
+  const auto finish_head = [&](int64_t b, int64_t hh, acc best, double total, const double* weighted) {
+    for (int64_t i = 0; i < head_dim; ++i) {
+      o[b * dim + hh * head_dim + i] = static_cast<scalar_t>(weighted[i] / total);
+    }
+    double* text_stats = all_stats + (b * heads + hh) * 2;
+    text_stats[0] = best;
+    text_stats[1] = total;
+    if (w != nullptr) {
+      acc* scores = w + b * weights_batch + hh * seq_len;
+      for (int64_t j = 0; j < list.rows(b); ++j) {
+        const int64_t l = list.row(b, j);
+        scores[l] = probability(scores[l], text_stats);
+      }
+    }
+  };
+  // The softmax state of each chunk of the texts with several (running max, total, weighted sum), merged per text
+  // below in chunk order. A text of one chunk is finished by its chunk's task.
+  const int64_t parts = chunks > 1 ? batch * chunks : 0;
+  std::vector<acc> part_max(parts * heads);
+  std::vector<double> part_sum(parts * heads), part_out(parts * dim);
   const int64_t unit = head_block_unit(heads, head_dim, batch * chunks);  // a bound above the chunk count
   for_each_chunk(list, batch, dim, unit, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n,
                                              const ChunkRows& chunk_rows) {
@@ -490,9 +509,25 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
                                      seq_len,
                                      state.data() + n + 2 * block_heads};
     const scalar_t* block = h + b * sb + d0 * sd;
-    if (reduce_rows(block, sl, sd, n, chunk_rows, reducer) > 0) {
+    const int64_t count = reduce_rows(block, sl, sd, n, chunk_rows, reducer);
+    if (count > 0) {
       reducer.fold();
       reducer.resum_if_overflowed(block, sl, sd, chunk_rows);
+    }
+    if (list.rows(b) <= kChunkRows) {  // the text's only chunk: finish it here
+      if (count == 0) {                // a text with no valid row: zeros, and its -inf statistics
+        std::fill_n(o + b * dim + d0, n, scalar_t(0));
+        return;
+      }
+      std::vector<double> in_order(pairs ? n : 0);
+      if (pairs) {
+        from_pair_order(reducer.weighted_total, in_order.data(), n);
+      }
+      const double* weighted = pairs ? in_order.data() : reducer.weighted_total;
+      for (int64_t k = 0; k < block_heads; ++k) {
+        finish_head(b, h0 + k, reducer.running_max[k], reducer.total_sum[k], weighted + k * head_dim);
+      }
+    } else if (count > 0) {
       const int64_t part = b * chunks + chunk;
       std::copy_n(reducer.running_max, block_heads, part_max.data() + part * heads + h0);
       std::copy_n(reducer.total_sum, block_heads, part_sum.data() + part * heads + h0);
@@ -503,20 +538,16 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
       }
     }
   });
-  // Per text and block of heads: the chunks merged in order (in float64), the output, the statistics and the
-  // returned probabilities. A text with no valid row keeps zeros and its -inf statistics.
-  for_each_text(list, batch, dim, head_dim, 0, [&](int64_t b, int64_t d0, int64_t n) {
+  // Per text of several chunks and block of heads: the chunks merged in order (in float64), then finished.
+  for_each_text(list, batch, dim, head_dim, kChunkRows + 1, [&](int64_t b, int64_t d0, int64_t n) {
     const int64_t h0 = d0 / head_dim, used = (list.rows(b) + kChunkRows - 1) / kChunkRows;
-    if (used == 0) {
-      std::fill_n(o + b * dim + d0, n, scalar_t(0));
-      return;
-    }
+    std::vector<double> weighted(head_dim);
     for (int64_t hh = h0; hh < h0 + n / head_dim; ++hh) {
       acc best = -std::numeric_limits<acc>::infinity();
       for (int64_t c = 0; c < used; ++c) {
         best = std::max(best, part_max[(b * chunks + c) * heads + hh]);
       }
-      std::vector<double> weighted(head_dim, 0.0);
+      std::fill(weighted.begin(), weighted.end(), 0.0);
       double total = 0;
       for (int64_t c = 0; c < used; ++c) {
         const int64_t part = b * chunks + c;
@@ -527,19 +558,7 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
           weighted[i] += part_out[part * dim + hh * head_dim + i] * factor;
         }
       }
-      for (int64_t i = 0; i < head_dim; ++i) {
-        o[b * dim + hh * head_dim + i] = static_cast<scalar_t>(weighted[i] / total);
-      }
-      double* text_stats = all_stats + (b * heads + hh) * 2;
-      text_stats[0] = best;
-      text_stats[1] = total;
-      if (w != nullptr) {
-        acc* scores = w + b * weights_batch + hh * seq_len;
-        for (int64_t j = 0; j < list.rows(b); ++j) {
-          const int64_t l = list.row(b, j);
-          scores[l] = probability(scores[l], text_stats);
-        }
-      }
+      finish_head(b, hh, best, total, weighted.data());
     }
   });
 }

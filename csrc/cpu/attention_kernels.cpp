@@ -2,8 +2,9 @@
 //
 // Work split (forward and backward): each text's valid rows are cut into chunks (kChunkRows, kernel_common.h), and
 // tasks are (text, chunk, block of whole heads), so one long text is spread over every thread; a second pass merges
-// the chunks of each text of several in chunk order (a text of one chunk is finished by its chunk's task). Every (text, head) result depends only on that text's valid rows, taken in
-// order, so a text pools to the same bits alone or in a batch, whatever the padding side or the thread count.
+// the chunks of each text of several in chunk order (a text of one chunk is finished by its chunk's task). Every
+// (text, head) result depends only on that text's valid rows, taken in order, so a text pools to the same bits alone
+// or in a batch, whatever the padding side or the thread count.
 //
 // Forward, per chunk: one pass over the chunk's rows with an online softmax, a group of rows at a time. The group's
 // rows get their scores for every head of the block (each row read front to back once), per head the running

@@ -244,24 +244,30 @@ def insert_landmarks(
 
     width = int(row_length.max()) if batch else 0
     offset = (width - row_length) if padding_side == "left" else torch.zeros_like(row_length)
-    rows = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq_len)
 
-    out_ids = torch.full((batch, width), pad_id, dtype=input_ids.dtype, device=device)
-    out_landmarks = torch.zeros((batch, width), dtype=torch.bool, device=device)
+    # The new rows are written as one flat buffer with a spare last slot: each write is a scatter of every source
+    # element to its slot (row * width + its column), or to the spare slot where it is not kept. (Boolean-mask
+    # indexing costs a nonzero and an index per tensor: most of a small batch's time.)
+    spare = batch * width
+    row_start = torch.arange(batch, device=device).unsqueeze(1) * width + offset
+
+    def slots(keep: Tensor, column: Tensor) -> Tensor:
+        return torch.where(keep, row_start + column, spare).reshape(-1)
+
+    out_ids = torch.full((spare + 1,), pad_id, dtype=input_ids.dtype, device=device)
+    out_landmarks = torch.zeros((spare + 1,), dtype=torch.bool, device=device)
     keep_token = (lead | content) & (position < body_limit)
-    out_ids[rows[keep_token], (position + offset)[keep_token]] = input_ids[keep_token]
+    out_ids.scatter_(0, slots(keep_token, position), input_ids.reshape(-1))
     if keep_trailing:
-        out_ids[rows[trail], (trail_position + offset)[trail]] = input_ids[trail]
+        out_ids.scatter_(0, slots(trail, trail_position), input_ids.reshape(-1))
     keep_landmark = ends & (landmark_position < body_limit)
-    out_landmarks[rows[keep_landmark], (landmark_position + offset)[keep_landmark]] = True
-    empty_rows = empty.squeeze(1)
-    out_landmarks[empty_rows, (num_lead + offset).squeeze(1)[empty_rows]] = True
-
+    out_landmarks.scatter_(0, slots(keep_landmark, landmark_position), True)
+    out_landmarks.scatter_(0, slots(empty, num_lead), True)
     # A row whose landmarks were all cut: its last kept body position becomes the landmark.
-    none_left = ~(keep_landmark.any(1) | empty_rows) & (length.squeeze(1) > 0)
-    last_body = (body_limit.squeeze(1) - 1 + offset.squeeze(1))[none_left]
-    out_landmarks[none_left.nonzero().squeeze(1), last_body] = True
-    out_ids[out_landmarks] = landmark_id
+    none_left = ~(keep_landmark.any(1, keepdim=True) | empty) & (length > 0)
+    out_landmarks.scatter_(0, slots(none_left, body_limit - 1), True)
+    out_landmarks = out_landmarks[:spare].view(batch, width)
+    out_ids = torch.where(out_landmarks, landmark_id, out_ids[:spare].view(batch, width))
 
     positions = torch.arange(width, device=device)
     out_mask = (positions >= offset) & (positions < offset + row_length)

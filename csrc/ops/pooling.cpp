@@ -107,6 +107,8 @@ Tensor grad_over_counts(const Tensor& grad, const RowSelection& rows, int64_t se
     const bool* mask = rows.mask.defined() ? rows.mask.const_data_ptr<bool>() : nullptr;
     const int64_t* positions = rows.positions.defined() ? rows.positions.const_data_ptr<int64_t>() : nullptr;
     const int64_t listed = positions != nullptr ? rows.positions.size(1) : 0;
+    // Strides read once: each read is a call into libtorch (the stable ABI), too slow for the inner loop.
+    const int64_t stride_b = grad.stride(0), stride_d = grad.stride(1);
     LMK_DISPATCH_FLOATING(grad.scalar_type(), "mean_pool_backward", [&] {
       const scalar_t* g = grad.const_data_ptr<scalar_t>();
       const auto fill = [&](auto* out) {
@@ -122,7 +124,7 @@ Tensor grad_over_counts(const Tensor& grad, const RowSelection& rows, int64_t se
           // As the generic form: the count rounded to the accumulation type, one division.
           const auto divisor = static_cast<out_t>(std::max<int64_t>(count, 1));
           for (int64_t d = 0; d < dim; ++d) {
-            out[b * dim + d] = static_cast<out_t>(g[b * grad.stride(0) + d * grad.stride(1)]) / divisor;
+            out[b * dim + d] = static_cast<out_t>(g[b * stride_b + d * stride_d]) / divisor;
           }
         }
       };

@@ -104,9 +104,10 @@ def test_gradients_are_wired(name, kind, device):
 
 @pytest.mark.parametrize("name,kind", CASES)
 @pytest.mark.parametrize("device", DEVICES)
-def test_calls_with_nothing_to_differentiate_skip_the_autograd_kernel(name, kind, device, monkeypatch):
-    # The public functions call an op below autograd (past torch.library's Python autograd kernel) when no input
-    # requires grad or grad mode is off, and through it otherwise: the same values either way.
+def test_eager_calls_take_lmk_ops_autograd_function_or_skip_autograd(name, kind, device, monkeypatch):
+    # The public functions call an op through lmk_ops' own autograd.Function when an input requires grad (past
+    # torch.library's Python autograd kernel), and below autograd when nothing does or grad mode is off: the same
+    # values either way. The Function's forward is the one call below autograd of a tracked call.
     below = []  # the calls lmk_ops made below autograd (torch.library's autograd kernel goes there too)
     real = torch._C._AutoDispatchBelowAutograd
 
@@ -119,16 +120,42 @@ def test_calls_with_nothing_to_differentiate_skip_the_autograd_kernel(name, kind
     monkeypatch.setattr(torch._C, "_AutoDispatchBelowAutograd", Spy)
     fn, hidden, arg = _case(name, kind, device=device)
     tracked = fn(hidden, arg)
-    assert tracked.requires_grad and not below
+    assert tracked.requires_grad and len(below) == 1
+    assert "GeneratedBackwardFor" not in type(tracked.grad_fn).__name__
     with torch.no_grad():
         untracked = fn(hidden, arg)
     plain = fn(hidden.detach(), arg)
     with torch.inference_mode():
         inference = fn(hidden.detach(), arg)
-    assert len(below) == 3
+    assert len(below) == 4
     for out in (untracked, plain, inference):
         assert not out.requires_grad
         assert torch.equal(out, tracked.detach())
+
+
+@pytest.mark.parametrize("name,kind", CASES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_eager_and_dispatcher_autograd_give_the_same_bits(name, kind, device, monkeypatch):
+    # Eager calls differentiate through lmk_ops' autograd.Function; dynamo and torch.func go through the autograd
+    # registered with the dispatcher (torch.library). Both wrap the same setup_context and backward: the same
+    # output, gradient and double-backward bits.
+    fn, hidden, arg = _case(name, kind, torch.float64, device)
+
+    def run():
+        h = hidden.detach().requires_grad_()
+        out = fn(h, arg)
+        up = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype).to(device)
+        up.requires_grad_()
+        (g,) = torch.autograd.grad(out, h, up, create_graph=True)
+        gg = torch.autograd.grad((g * g).sum(), (h, up), allow_unused=True)
+        return type(out.grad_fn).__name__, [out, g, *gg]
+
+    eager_route, eager = run()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # call() then calls the op as dynamo does
+    dispatcher_route, dispatched = run()
+    assert "GeneratedBackwardFor" in dispatcher_route and "GeneratedBackwardFor" not in eager_route
+    for mine, theirs in zip(eager, dispatched):
+        assert (mine is None and theirs is None) or torch.equal(mine, theirs)
 
 
 @pytest.mark.parametrize("name,kind", CASES)

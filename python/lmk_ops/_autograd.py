@@ -13,7 +13,7 @@ import torch
 
 from . import reference
 from ._checks import accumulation_dtype
-from ._dispatch import call, register
+from ._dispatch import call, register_autograd
 
 ops = torch.ops.lmk_ops
 
@@ -222,5 +222,4 @@ for _name, _backward, _setup in [
     ("attention_pool", _attention_pool_backward, _attention_pool_setup),
     ("attention_pool_backward", _attention_pool_backward_backward, _attention_pool_backward_setup),
 ]:
-    torch.library.register_autograd(f"lmk_ops::{_name}", _backward, setup_context=_setup)
-    register(getattr(ops, _name), _backward, _setup)
+    register_autograd(_name, _backward, _setup)

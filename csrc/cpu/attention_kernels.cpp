@@ -128,6 +128,20 @@ inline Vec<float> sum_lanes_each(const Vec<float>* v) {
   return Vec<float>(sum_lanes8(lanes));
 #endif
 }
+
+// One vector's lane of sum_lanes_each(), in the same order (a score gets the same bits whichever way its head is
+// reduced, so whatever heads share its block): the AVX-512 halves added, then adjacent lanes, adjacent pairs, and
+// the two 128-bit halves.
+inline float sum_lanes_as_each(const Vec<float>& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v.v), _mm512_extractf32x8_ps(v.v, 1));
+#else
+  const __m256 h = v.v;
+#endif
+  const __m256 lanes = _mm256_add_ps(h, _mm256_permute_ps(h, 0xB1));        // h0 + h1 at 0, h4 + h5 at 4, ...
+  const __m256 pairs = _mm256_add_ps(lanes, _mm256_permute_ps(lanes, 0x4E));  // (h0 + h1) + (h2 + h3) at 0, ...
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
+}
 #endif
 
 // partial_dot<false> of a bfloat16 row and a query in pair order (n a multiple of kPairBlock).
@@ -189,7 +203,13 @@ inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>*
             partial[j] = partial_dot<false>(xj, nullptr, qj, head_dim, pj);
           }
         }
-        (sum_lanes_each(partial) * Vec<float>(scale)).store(out + h, count);
+        if (count <= kLanes / 2) {  // a few heads: reduced one by one, cheaper than the shared transpose
+          for (int64_t j = 0; j < count; ++j) {
+            out[h + j] = sum_lanes_as_each(partial[j]) * scale;
+          }
+        } else {
+          (sum_lanes_each(partial) * Vec<float>(scale)).store(out + h, count);
+        }
       }
     }
   }

@@ -99,6 +99,13 @@ inline void exp_in_place(acc* v, int64_t n) {
     for (; i + Vec<double>::size() <= n; i += Vec<double>::size()) {
       exp_acc_vector(v + i);
     }
+    if (i < n) {  // the rest, padded to a vector: one vector exp costs less than a few scalar ones
+      float rest[Vec<double>::size()] = {};
+      std::memcpy(rest, v + i, (n - i) * sizeof(float));
+      exp_acc_vector(rest);
+      std::memcpy(v + i, rest, (n - i) * sizeof(float));
+      return;
+    }
   }
 #endif
   for (; i < n; ++i) {

@@ -337,6 +337,21 @@ UNCLEAR = [
      r"landmark_positions: expected num_landmarks as an int >= 0 \(or None\), got -1"),
     (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=9).to(torch.float16),
      r"LandmarkBatch\.to: expected a device, got the dtype torch\.float16"),
+    # Tensor arguments other than hidden, and the scale, are checked before the dispatcher's own message.
+    (lambda: lmk_ops.mean_pool(torch.randn(2, 3, 4), [[1, 1, 0], [1, 0, 0]]),
+     r"mean_pool: expected mask to be a tensor or None, got list"),
+    (lambda: lmk_ops.max_pool(torch.randn(5, 4), cu_seqlens=[0, 2, 5]),
+     r"max_pool: expected cu_seqlens to be a tensor or None, got list"),
+    (lambda: lmk_ops.attention_pool(torch.randn(2, 3, 4), None, None),
+     r"attention_pool: expected query to be a tensor, got None"),
+    (lambda: lmk_ops.attention_pool(torch.randn(2, 3, 4), None, torch.randn(4), scale="0.5"),
+     r"attention_pool: expected scale as a real number or None, got str"),
+    (lambda: lmk_ops.landmark_mean(torch.randn(2, 3, 4), None),
+     r"landmark_mean: expected landmarks to be a tensor, got None"),
+    (lambda: lmk_ops.landmark_gather(torch.randn(2, 3, 4), [[0, 2], [1, -1]]),
+     r"landmark_gather: expected landmarks to be a tensor, got list"),
+    (lambda: lmk_ops.first_token_pool(torch.randn(2, 3, 4), (1, 1, 0)),
+     r"first_token_pool: expected mask to be a tensor or None, got tuple"),
 ]
 if torch.backends.mkldnn.is_available():
     UNCLEAR.append((lambda: lmk_ops.mean_pool(torch.randn(2, 3, 4).to_mkldnn()),

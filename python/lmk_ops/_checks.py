@@ -8,6 +8,7 @@ in the forward ops.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -38,12 +39,21 @@ def fail(op: str, message: str) -> None:
     raise RuntimeError(f"lmk_ops.{op}: {message}")
 
 
-def check_call(op: str, hidden, *others) -> None:
+def _type_name(value) -> str:
+    return "None" if value is None else type(value).__name__
+
+
+def check_call(op: str, hidden, **others) -> None:
     """What the public functions check before calling an op, where the dispatcher would fail unclearly or silently:
-    hidden that is not a dense strided tensor, and differentiation modes the ops do not support (forward mode, and
+    hidden that is not a dense strided tensor, other tensor arguments (by name; query and landmarks required, the
+    rest optional) that are not tensors, and differentiation modes the ops do not support (forward mode, and
     torch.func's grad transforms, which need functorch-aware autograd). torch.vmap works, and so does reverse mode."""
     if not isinstance(hidden, torch.Tensor):
-        fail(op, f"expected hidden to be a tensor [B, L, D], got {'None' if hidden is None else type(hidden).__name__}")
+        fail(op, f"expected hidden to be a tensor [B, L, D], got {_type_name(hidden)}")
+    for name, value in others.items():
+        required = name in ("query", "landmarks")
+        if not isinstance(value, torch.Tensor) and (required or value is not None):
+            fail(op, f"expected {name} to be a tensor{'' if required else ' or None'}, got {_type_name(value)}")
     if hidden.is_nested:
         fail(op, "expected hidden as a dense [B, L, D] tensor, got a nested tensor (pad it with "
              "hidden.to_padded_tensor(0.0) and pass a mask)")
@@ -55,7 +65,7 @@ def check_call(op: str, hidden, *others) -> None:
              f"to_dense())")
     if torch.compiler.is_compiling():
         return
-    tensors = [t for t in (hidden, *others) if isinstance(t, torch.Tensor)]
+    tensors = [t for t in (hidden, *others.values()) if isinstance(t, torch.Tensor)]
     if _forward_ad.__dict__.get("_current_level", -1) >= 0 and any(
             _forward_ad.unpack_dual(t).tangent is not None for t in tensors):
         fail(op, "forward-mode AD is not supported (torch.autograd.forward_ad, torch.func.jvp, jacfwd); use "
@@ -147,6 +157,15 @@ def check_query(op: str, query: torch.Tensor, hidden: torch.Tensor) -> tuple[int
 
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def check_scale_type(op: str, scale) -> None:
+    """The scale's type, before the dispatcher sees it (its value is checked by the op: check_scale)."""
+    if isinstance(scale, torch.Tensor):
+        fail(op, "expected scale as a Python number, got a tensor (a scale is not learned: a learned one is the "
+                 "query's norm, so fold it into the query)")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (numbers.Real, torch.SymFloat))):
+        fail(op, f"expected scale as a real number or None, got {_type_name(scale)}")
 
 
 def check_scale(op: str, scale: float | None) -> None:

@@ -85,21 +85,23 @@ def test_means_of_values_near_the_float32_maximum_do_not_overflow(device, dtype,
     assert torch.allclose(lmk_ops.mean_pool(hidden, normalize=True).cpu().double(), unit, rtol=rtol)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads", [1, 4])
-def test_attention_over_values_near_the_float32_maximum_does_not_overflow(dtype, heads):
+@pytest.mark.parametrize("length", [100, 1500])  # one chunk (finished in place), several (merged)
+def test_attention_over_values_near_the_float32_maximum_does_not_overflow(device, dtype, heads, length):
     gen = torch.Generator().manual_seed(heads)
     big = torch.tensor(0.9 * torch.finfo(torch.float32).max).to(dtype).item()
-    hidden = torch.full((2, 1500, 64), big, dtype=dtype)
+    hidden = torch.full((2, length, 64), big, dtype=dtype)
     hidden[1, ::2, :5] *= -1
-    hidden[1, :, 10:] = torch.randn(1500, 54, generator=gen).to(dtype)
+    hidden[1, :, 10:] = torch.randn(length, 54, generator=gen).to(dtype)
     query = (torch.randn(64, generator=gen) * 1e-38).to(dtype).reshape(heads, -1).squeeze(0)
-    out, weights = lmk_ops.attention_pool(hidden, None, query, return_weights=True)
+    out, weights = lmk_ops.attention_pool(hidden.to(device), None, query.to(device), return_weights=True)
     exact, exact_weights = reference.attention_pool(hidden.double(), None, query.double(), return_weights=True)
     assert out.isfinite().all()
     rtol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    assert torch.allclose(out.double(), exact, rtol=rtol, atol=1e-2)
-    assert torch.allclose(weights.double(), exact_weights, rtol=1e-5, atol=1e-9)
+    assert torch.allclose(out.cpu().double(), exact, rtol=rtol, atol=1e-2)
+    assert torch.allclose(weights.cpu().double(), exact_weights, rtol=1e-5, atol=1e-9)
 
 
 @pytest.mark.parametrize("device", DEVICES)

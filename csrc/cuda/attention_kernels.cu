@@ -201,9 +201,17 @@ __global__ void __launch_bounds__(kThreads)
     attention_chunks(const scalar_t* hidden, int64_t sb, int64_t sl, int64_t sd, SelectedRows rows,
                      const acc_t<scalar_t>* query, acc_t<scalar_t> scale, int64_t heads, HeadLayout layout,
                      int64_t chunks, scalar_t* out, double* stats, acc_t<scalar_t>* scores, int64_t row_values_batch,
-                     acc_t<scalar_t>* part_max, acc_t<scalar_t>* part_sum, acc_t<scalar_t>* part_out) {
+                     acc_t<scalar_t>* part_max, acc_t<scalar_t>* part_sum, double* part_out) {
   using acc = acc_t<scalar_t>;
   constexpr acc kNegInf = -std::numeric_limits<acc>::infinity();
+  // Rows near acc's maximum (float32's range, which bfloat16 shares) overflow a weighted sum whose mean is finite. A
+  // chunk where a lane's sum passes kNearOverflow (or is not finite) is summed again with the weights scaled by
+  // kShrink, a power of two, so exactly; its sums are scaled back where they are divided by the total or stored in
+  // float64. kShrink keeps a chunk's kChunkRows rows finite; kNearOverflow keeps the merge of the row lanes' sums
+  // finite. Inputs that are inf or NaN take the second pass too, and stay so.
+  constexpr acc kShrink = acc(1) / acc(256);
+  constexpr acc kNearOverflow = std::numeric_limits<acc>::max() / acc(256);
+  static_assert(kChunkRows <= 128 && kThreads / 32 <= 256);
   constexpr int R = kRowsInFlight / P;  // a lane with more packs keeps fewer rows in flight (same registers)
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   const int64_t tile = blockIdx.x % layout.tiles, chunk = (blockIdx.x / layout.tiles) % chunks;
@@ -213,59 +221,79 @@ __global__ void __launch_bounds__(kThreads)
   }
   const int64_t end = std::min(begin + kChunkRows, n), dim = heads * layout.head_packs * VEC;
   const HeadLane<P> me = head_lane<P>(layout, tile, heads);
-  acc q[P][VEC], weighted[P][VEC];
+  acc q[P][VEC];
   load_lane_wide(query, me, layout.seg, q);
-#pragma unroll
-  for (int p = 0; p < P; ++p) {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      weighted[p][i] = acc(0);
-    }
-  }
-  acc best = kNegInf, total = 0;
   const scalar_t* text = hidden + b * sb;
   const int64_t step = int64_t{layout.row_lanes} * R;
-  for (int64_t base = begin; base < end; base += step) {
-    acc x[R][P][VEC], s[R];
-    int64_t at[R];
+  acc best, total, weighted[P][VEC];
+  // One pass over the chunk's rows (this lane's share) with an online softmax, the weights scaled by shrink.
+  const auto sum_chunk = [&](acc shrink) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int64_t j = base + int64_t{r} * layout.row_lanes + threadIdx.y;
-      at[r] = j < end ? rows.row(b, j) : -1;
-      s[r] = acc(0);
-      if (at[r] >= 0) {
-        load_lane(text + at[r] * sl, me, layout.seg, sd, x[r]);
-        s[r] = lane_dot(x[r], q);
+    for (int p = 0; p < P; ++p) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        weighted[p][i] = acc(0);
       }
     }
-    head_sums(s, layout.seg);
-    acc top = best;
+    best = kNegInf;
+    total = 0;
+    for (int64_t base = begin; base < end; base += step) {
+      acc x[R][P][VEC], s[R];
+      int64_t at[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      s[r] *= scale;
-      if (at[r] >= 0) {
-        top = s[r] > top ? s[r] : top;
-        if (scores != nullptr && me.leader) {
-          scores[b * row_values_batch + me.head * rows.seq_len + at[r]] = s[r];
+      for (int r = 0; r < R; ++r) {
+        const int64_t j = base + int64_t{r} * layout.row_lanes + threadIdx.y;
+        at[r] = j < end ? rows.row(b, j) : -1;
+        s[r] = acc(0);
+        if (at[r] >= 0) {
+          load_lane(text + at[r] * sl, me, layout.seg, sd, x[r]);
+          s[r] = lane_dot(x[r], q);
         }
       }
-    }
-    rescale(best, top, total, weighted);
-    best = top;
+      head_sums(s, layout.seg);
+      acc top = best;
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (at[r] >= 0) {
-        const acc p = device_exp(s[r] - best);
-        total += p;
+      for (int r = 0; r < R; ++r) {
+        s[r] *= scale;
+        if (at[r] >= 0) {
+          top = s[r] > top ? s[r] : top;
+          if (scores != nullptr && me.leader) {
+            scores[b * row_values_batch + me.head * rows.seq_len + at[r]] = s[r];
+          }
+        }
+      }
+      rescale(best, top, total, weighted);
+      best = top;
 #pragma unroll
-        for (int k = 0; k < P; ++k) {
+      for (int r = 0; r < R; ++r) {
+        if (at[r] >= 0) {
+          const acc p = device_exp(s[r] - best);
+          total += p;
+          const acc shrunk = p * shrink;
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            weighted[k][i] += p * x[r][k][i];
+          for (int k = 0; k < P; ++k) {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) {
+              weighted[k][i] += shrunk * x[r][k][i];
+            }
           }
         }
       }
     }
+  };
+  acc shrink = acc(1);
+  sum_chunk(shrink);
+  bool near_overflow = false;
+#pragma unroll
+  for (int p = 0; p < P; ++p) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      near_overflow |= !(weighted[p][i] >= -kNearOverflow && weighted[p][i] <= kNearOverflow);  // a NaN too
+    }
+  }
+  if (__syncthreads_or(near_overflow)) {  // the whole block takes the same branch
+    shrink = kShrink;
+    sum_chunk(shrink);
   }
 
   // Row lanes 1.. hand (max, total, weighted) to row lane 0, which merges them in order.
@@ -320,9 +348,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
       if (n <= kChunkRows) {  // the only chunk: finish here
-        out[b * dim + feature + i] = n == 0 ? scalar_t(0) : static_cast<scalar_t>(weighted[p][i] / total);
+        out[b * dim + feature + i] = n == 0 ? scalar_t(0) : static_cast<scalar_t>(weighted[p][i] / total / shrink);
       } else {
-        part_out[part * dim + feature + i] = weighted[p][i];
+        part_out[part * dim + feature + i] = static_cast<double>(weighted[p][i]) / static_cast<double>(shrink);
       }
     }
   }
@@ -340,7 +368,7 @@ __global__ void __launch_bounds__(kThreads)
 // Finishes the texts with more than one chunk: the chunks' (max, total, weighted sum), merged in chunk order.
 template <typename scalar_t>
 __global__ void attention_combine(const acc_t<scalar_t>* part_max, const acc_t<scalar_t>* part_sum,
-                                  const acc_t<scalar_t>* part_out, SelectedRows rows, int64_t batch, int64_t heads,
+                                  const double* part_out, SelectedRows rows, int64_t batch, int64_t heads,
                                   int64_t head_dim, int64_t chunks, scalar_t* out, double* stats) {
   using acc = acc_t<scalar_t>;
   const int64_t dim = heads * head_dim, i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
@@ -364,7 +392,7 @@ __global__ void attention_combine(const acc_t<scalar_t>* part_max, const acc_t<s
     const acc m = part_max[part * heads + h];
     const acc factor = m == best ? acc(1) : (m == -std::numeric_limits<acc>::infinity() ? acc(0) : device_exp(m - best));
     total += static_cast<double>(part_sum[part * heads + h] * factor);
-    weighted += static_cast<double>(part_out[part * dim + d] * factor);
+    weighted += part_out[part * dim + d] * static_cast<double>(factor);
   }
   out[i] = static_cast<scalar_t>(weighted / total);
   if (d % head_dim == 0) {
@@ -658,9 +686,10 @@ void forward_typed(const Tensor& hidden_in, const AttentionRows& rows, const Ten
   if (chunks > 1) {
     part_max = empty_on(hidden, {batch, chunks, heads}, wide);
     part_sum = empty_on(hidden, {batch, chunks, heads}, wide);
-    part_out = empty_on(hidden, {batch, chunks, dim}, wide);
+    part_out = empty_on(hidden, {batch, chunks, dim}, ScalarType::Double);  // as summed: near acc's maximum
   }
   const auto data = [](Tensor& t) { return t.defined() ? t.mutable_data_ptr<acc>() : nullptr; };
+  double* chunk_out = part_out.defined() ? part_out.mutable_data_ptr<double>() : nullptr;
   with_head_layout<scalar_t>(layout, [&]<int VEC, int P>() {
     const size_t shared = layout.row_lanes > 1 ? size_t{kThreads} * (P * VEC + 2) * sizeof(acc) : 0;
     attention_chunks<scalar_t, VEC, P>
@@ -668,12 +697,12 @@ void forward_typed(const Tensor& hidden_in, const AttentionRows& rows, const Ten
             hidden.const_data_ptr<scalar_t>(), hidden.stride(0), hidden.stride(1), hidden.stride(2), list.view(),
             query.const_data_ptr<acc>(), static_cast<acc>(scale), heads, layout, chunks, out.mutable_data_ptr<scalar_t>(),
             stats.mutable_data_ptr<double>(), data(weights), row_values_batch, data(part_max), data(part_sum),
-            data(part_out));
+            chunk_out);
     check_launch();
   });
   if (chunks > 1) {
     attention_combine<scalar_t><<<ceil_div(batch * dim, kThreads), kThreads, 0, stream()>>>(
-        data(part_max), data(part_sum), data(part_out), list.view(), batch, heads, head_dim, chunks,
+        data(part_max), data(part_sum), chunk_out, list.view(), batch, heads, head_dim, chunks,
         out.mutable_data_ptr<scalar_t>(), stats.mutable_data_ptr<double>());
     check_launch();
   }

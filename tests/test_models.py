@@ -192,10 +192,17 @@ def test_one_string_is_one_text_and_no_texts_is_a_clear_error(tokenizer):
     one = hf.tokenize_with_landmarks(tokenizer, "one string of words", interval=2)
     assert one.input_ids.shape[0] == 1
     assert torch.equal(one.input_ids, hf.tokenize_with_landmarks(tokenizer, ["one string of words"], interval=2).input_ids)
-    for texts in ([], [None], 5, None):
+    for texts in ([], [None], 5, None, b"bytes"):
         with pytest.raises(ValueError, match=r"^lmk_ops\.hf\.tokenize_with_landmarks: expected a string or a non-empty "
                                              r"list of strings"):
             hf.tokenize_with_landmarks(tokenizer, texts)
+
+
+@pytest.mark.parametrize("ends", [[[-5]], [[100]], [[3.0]], [[True]]])
+def test_sentence_ends_outside_the_text_are_a_clear_error(tokenizer, ends):
+    with pytest.raises(ValueError, match=r"^lmk_ops\.hf: expected sentence_ends of text 0 as character offsets in "
+                                         r"\[0, len\(text\)\] = \[0, 8\], got "):
+        hf.tokenize_with_landmarks(tokenizer, ["One. Two"], sentence_ends=ends)
 
 
 def test_landmark_transformer_does_not_warn_about_texts_it_truncates(caplog):

@@ -3,6 +3,7 @@ out. Tokenizes without truncation, inserts the landmarks, then truncates (as the
 
 from __future__ import annotations
 
+import numbers
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -119,6 +120,8 @@ def tokenize_with_landmarks(
     """
     # One string is one text (list("abc") would be three).
     try:
+        if isinstance(texts, (bytes, bytearray)):  # iterable, but as ints
+            raise TypeError
         texts = [texts] if isinstance(texts, str) else list(texts)
     except TypeError:  # not iterable: an int, None
         raise ValueError(f"lmk_ops.hf.tokenize_with_landmarks: expected a string or a non-empty list of strings, got "
@@ -137,6 +140,12 @@ def tokenize_with_landmarks(
         if len(per_text_ends) != len(texts):
             raise ValueError(f"lmk_ops.hf: expected sentence_ends for each of the {len(texts)} texts, "
                              f"got {len(per_text_ends)}")
+        for b, (text, text_ends) in enumerate(zip(texts, per_text_ends)):
+            bad = [e for e in text_ends
+                   if isinstance(e, bool) or not isinstance(e, numbers.Integral) or not 0 <= e <= len(text)]
+            if bad:
+                raise ValueError(f"lmk_ops.hf: expected sentence_ends of text {b} as character offsets in "
+                                 f"[0, len(text)] = [0, {len(text)}], got {bad[0]!r}")
     every = interval
     if training_intervals is not None:
         every = sample_intervals(len(texts), training_intervals, generator=generator)

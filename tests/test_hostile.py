@@ -354,6 +354,16 @@ UNCLEAR = [
      r"landmark_gather: expected landmarks to be a tensor, got list"),
     (lambda: lmk_ops.first_token_pool(torch.randn(2, 3, 4), (1, 1, 0)),
      r"first_token_pool: expected mask to be a tensor or None, got tuple"),
+    (lambda: lmk_ops.insert_landmarks([[101, 5, 102]], landmark_id=9),
+     r"insert_landmarks: expected input_ids as an integer tensor \[B, L\], got list"),
+    (lambda: lmk_ops.insert_landmarks(torch.tensor([[101, 5, 102]], device="meta"), landmark_id=9),
+     r"insert_landmarks: expected input_ids with values \(on the CPU or a GPU\), got a meta tensor"),
+    (lambda: lmk_ops.insert_landmarks(torch.tensor([[101, 5, 6, 102]]), landmark_id=9,
+                                      sentence_ends=torch.tensor([[0, 3, 0, 0]])),
+     r"insert_landmarks: expected sentence_ends values 0 or 1"),
+    (lambda: lmk_ops.insert_landmarks(torch.tensor([[101, 5, 6, 102]]), landmark_id=9,
+                                      sentence_ends=torch.tensor([[0.0, 1.0, 0.0, 0.0]])),
+     r"insert_landmarks: expected sentence_ends as a bool or integer 0/1 tensor, got torch\.float32"),
 ]
 if torch.backends.mkldnn.is_available():
     UNCLEAR.append((lambda: lmk_ops.mean_pool(torch.randn(2, 3, 4).to_mkldnn()),

@@ -114,10 +114,13 @@ def _is_int(value) -> bool:
 
 def _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leading, num_trailing, max_length,
                   padding_side, landmark_id, pad_id):
-    if (not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point()
-            or input_ids.is_complex() or input_ids.dtype == torch.bool):
-        _fail(f"expected input_ids as an integer tensor [B, L], got {getattr(input_ids, 'dtype', type(input_ids))} "
-              f"of shape {list(getattr(input_ids, 'shape', []))}")
+    if not isinstance(input_ids, Tensor):
+        _fail(f"expected input_ids as an integer tensor [B, L], got {type(input_ids).__name__}")
+    if (input_ids.dim() != 2 or input_ids.is_floating_point() or input_ids.is_complex()
+            or input_ids.dtype == torch.bool):
+        _fail(f"expected input_ids as an integer tensor [B, L], got {input_ids.dtype} of shape {list(input_ids.shape)}")
+    if input_ids.is_meta:  # the new rows' width depends on the values
+        _fail("expected input_ids with values (on the CPU or a GPU), got a meta tensor")
     if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.is_floating_point()
                                        or attention_mask.is_complex()):
         _fail(f"expected attention_mask as a bool or integer 0/1 tensor, got "
@@ -135,8 +138,14 @@ def _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leadin
         if not info.min <= int(value) <= info.max:
             _fail(f"expected {name} representable in input_ids' dtype {input_ids.dtype} ([{info.min}, {info.max}]), "
                   f"got {int(value)}; pass input_ids as int64")
+    if sentence_ends is not None and (not isinstance(sentence_ends, Tensor) or sentence_ends.is_floating_point()
+                                      or sentence_ends.is_complex()):
+        _fail(f"expected sentence_ends as a bool or integer 0/1 tensor, got "
+              f"{getattr(sentence_ends, 'dtype', type(sentence_ends).__name__)}")
     if sentence_ends is not None and sentence_ends.shape != input_ids.shape:
         _fail(f"expected sentence_ends of shape {list(input_ids.shape)} (as input_ids), got {list(sentence_ends.shape)}")
+    if sentence_ends is not None and bool(((sentence_ends != 0) & (sentence_ends != 1)).any()):
+        _fail("expected sentence_ends values 0 or 1")
     if isinstance(interval, Tensor):
         if interval.is_floating_point() or interval.is_complex() or interval.dtype == torch.bool:
             _fail(f"expected per-row intervals as an integer tensor, got {interval.dtype}")

@@ -364,6 +364,10 @@ UNCLEAR = [
     (lambda: lmk_ops.insert_landmarks(torch.tensor([[101, 5, 6, 102]]), landmark_id=9,
                                       sentence_ends=torch.tensor([[0.0, 1.0, 0.0, 0.0]])),
      r"insert_landmarks: expected sentence_ends as a bool or integer 0/1 tensor, got torch\.float32"),
+    (lambda: lmk_ops.nn.AttentionPooling(384.0, heads=6),
+     r"nn\.AttentionPooling: expected ints heads >= 1 dividing dim >= 1, got dim=384\.0, heads=6"),
+    (lambda: lmk_ops.nn.AttentionPooling(384, heads=6, scale=torch.tensor(0.1)),
+     r"nn\.AttentionPooling: expected scale as a Python number, got a tensor"),
 ]
 if torch.backends.mkldnn.is_available():
     UNCLEAR.append((lambda: lmk_ops.mean_pool(torch.randn(2, 3, 4).to_mkldnn()),

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from ._checks import check_scale_type
 
 __all__ = ["AttentionPooling", "Pooling"]
 
@@ -85,9 +86,11 @@ class AttentionPooling(torch.nn.Module):
 
     def __init__(self, dim: int, heads: int = 1, *, scale: float | None = None, device=None, dtype=None):
         super().__init__()
-        if heads < 1 or dim < 1 or dim % heads:
-            raise ValueError(f"lmk_ops.nn.AttentionPooling: expected heads >= 1 dividing dim >= 1, got dim={dim}, "
-                             f"heads={heads}")
+        whole = all(isinstance(v, int) and not isinstance(v, bool) for v in (dim, heads))
+        if not whole or heads < 1 or dim < 1 or dim % heads:
+            raise ValueError(f"lmk_ops.nn.AttentionPooling: expected ints heads >= 1 dividing dim >= 1, got "
+                             f"dim={dim!r}, heads={heads!r}")
+        check_scale_type("nn.AttentionPooling", scale)
         self.dim, self.heads, self.scale = dim, heads, scale
         self.query = torch.nn.Parameter(torch.empty(heads, dim // heads, device=device, dtype=dtype))
         self.reset_parameters()

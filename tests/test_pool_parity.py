@@ -94,21 +94,44 @@ def test_max_pool_ties_nan_and_infinities():
     assert torch.equal(h.grad, expected)
 
 
-@pytest.mark.parametrize("dim", [16, 40, 1000])
-def test_max_pool_bfloat16_rows_read_in_pair_order(dim):
-    # Contiguous bfloat16 rows are read 16 features a load on AVX2 (bf16_pairs.h) with a tail of single features:
-    # many ties (small integers), NaNs in one row's first third, a mask, and the packed form, value and position
-    # exactly as the reference's, at widths of one block, two blocks and a tail, and 62 blocks and a tail.
-    gen = torch.Generator().manual_seed(dim)
-    hidden = torch.randint(-3, 4, (3, 700, dim), generator=gen).to(torch.bfloat16)
-    hidden[0, 350, : dim // 3] = float("nan")
-    mask = torch.rand(3, 700, generator=gen) < 0.8
-    for m in (None, mask):
-        values, where = lmk_ops.max_pool(hidden, m, return_indices=True)
-        ref_values, ref_where = reference.max_pool(hidden, m, return_indices=True)
-        assert torch.equal(values.nan_to_num(99), ref_values.nan_to_num(99)) and torch.equal(where, ref_where)
-    packed = lmk_ops.max_pool(hidden.reshape(-1, dim), cu_seqlens=torch.tensor([0, 700, 1400, 2100]))
-    assert torch.equal(packed.nan_to_num(99), lmk_ops.max_pool(hidden).nan_to_num(99))
+MAX_16BIT_CHECK = """
+gen = torch.Generator().manual_seed(0)
+for dtype in (torch.bfloat16, torch.float16):
+    for dim in (16, 40, 1000):  # one 32-byte vector, two and a tail of single features, 62 and a tail
+        hidden = torch.randint(-3, 4, (3, 700, dim), generator=gen).to(dtype)  # many ties
+        hidden[0, 350, : dim // 3] = float("nan")  # the first NaN wins, whatever its sign or a later one's
+        hidden.view(torch.int16)[0, 300, 1::3] = -1  # a NaN with its sign bit set (0xFFFF)
+        hidden[0, 400, : dim // 2] = float("nan")
+        hidden[1, :, :] = -hidden[1, :, :].abs()  # maxima of 0 among -0 and 0: the first one, with its sign
+        hidden[1, 5::7, :] = -0.0
+        hidden[1, 3::7, :] = 0.0
+        hidden[2, :, :] = -float("inf")
+        hidden[2, 600:, 3] = float("inf")
+        mask = torch.rand(3, 700, generator=gen) < 0.8
+        for m in (None, mask):
+            for rows in (hidden, hidden.transpose(1, 2).contiguous().transpose(1, 2)):  # contiguous and strided
+                values, where = lmk_ops.max_pool(rows, m, return_indices=True)
+                ref_values, ref_where = reference.max_pool(rows, m, return_indices=True)
+                bits = lambda v: torch.where(v.isnan(), 1, v.view(torch.int16))  # (the reference's NaN bits differ)
+                assert torch.equal(bits(values), bits(ref_values)) and torch.equal(where, ref_where), (dtype, dim)
+                # The input's own value at that position, a -0 with its sign.
+                kept = rows.gather(1, where.long().clamp_min(0).unsqueeze(1)).squeeze(1)
+                assert torch.equal(bits(values), bits(kept))
+        packed = lmk_ops.max_pool(hidden.reshape(-1, dim), cu_seqlens=torch.tensor([0, 700, 1400, 2100]))
+        assert torch.equal(packed.view(torch.int16), lmk_ops.max_pool(hidden).view(torch.int16))
+"""
+
+
+def test_max_pool_of_16_bit_floats_compared_as_integers():
+    # Contiguous bfloat16 and float16 rows are compared as int16 keys on AVX2 and AVX-512 (pool_kernels.cpp), with a
+    # tail of single features as floats: ties, NaNs of either sign, -0 against 0, infinities, a mask, strided rows
+    # and the packed form, value (a -0 keeps its sign) and position exactly as the reference's.
+    exec(MAX_16BIT_CHECK, {"torch": torch, "lmk_ops": lmk_ops, "reference": reference})
+
+
+@pytest.mark.parametrize("capability", LOWER_CPU_CAPABILITIES)
+def test_max_pool_of_16_bit_floats_on_every_cpu_capability(capability):
+    run_under_cpu_capability(capability, "from lmk_ops import reference\n" + MAX_16BIT_CHECK)
 
 
 def test_mean_pool_propagates_nan_and_inf_of_valid_tokens_only():

@@ -1,16 +1,16 @@
 #pragma once
 // bfloat16 rows read a pair block (two float vectors' worth: 16 features on AVX2, 32 on AVX-512) at a time as two
-// float vectors ("pair order"), for the kernels of attention and max pooling. Included only by files compiled once
-// per CPU capability.
+// float vectors ("pair order"), for the kernels of attention pooling. Included only by files compiled once per CPU
+// capability.
 //
 // load_widened() widens one vector's worth of bfloat16 values with a half-width load, a zero-extension and a
 // shift. Here one full-width load holds two vectors' worth, two per 32-bit lane, and each lane's even feature is
 // the lane shifted left by 16 and its odd feature the lane with its low half cleared: half the instructions per
 // feature. Attention pooling over bfloat16 is bound by instructions on AVX2 and AVX-512 (a 64-feature head costs
-// as much per row as in float32), and so is the maximum with its positions, so the float operands that meet such
-// rows (attention's query and weighted sums, the kept maxima) are kept in the same order: per pair block, the even
-// features, then the odd ones. Sums taken in pair order add the same products in another order; the forward and
-// the backward use the same order, so a recomputed score keeps its bits. A maximum is the same in any order.
+// as much per row as in float32), so the float operands that meet such rows (the query and the weighted sums) are
+// kept in the same order: per pair block, the even features, then the odd ones. Sums taken in pair order add the
+// same products in another order; the forward and the backward use the same order, so a recomputed score keeps
+// its bits. (The maximum compares 16-bit floats as integers instead: pool_kernels.cpp.)
 #include <torch/headeronly/util/BFloat16.h>
 
 #include <cstdint>

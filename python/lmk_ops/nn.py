@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -86,13 +87,13 @@ class AttentionPooling(torch.nn.Module):
 
     def __init__(self, dim: int, heads: int = 1, *, scale: float | None = None, device=None, dtype=None):
         super().__init__()
-        whole = all(isinstance(v, int) and not isinstance(v, bool) for v in (dim, heads))
+        whole = all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in (dim, heads))
         if not whole or heads < 1 or dim < 1 or dim % heads:
             raise ValueError(f"lmk_ops.nn.AttentionPooling: expected ints heads >= 1 dividing dim >= 1, got "
                              f"dim={dim!r}, heads={heads!r}")
         check_scale_type("nn.AttentionPooling", scale)
-        self.dim, self.heads, self.scale = dim, heads, scale
-        self.query = torch.nn.Parameter(torch.empty(heads, dim // heads, device=device, dtype=dtype))
+        self.dim, self.heads, self.scale = int(dim), int(heads), scale
+        self.query = torch.nn.Parameter(torch.empty(self.heads, self.dim // self.heads, device=device, dtype=dtype))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -211,7 +211,8 @@ __global__ void __launch_bounds__(kThreads)
   // finite. Inputs that are inf or NaN take the second pass too, and stay so.
   constexpr acc kShrink = acc(1) / acc(256);
   constexpr acc kNearOverflow = std::numeric_limits<acc>::max() / acc(256);
-  static_assert(kChunkRows <= 128 && kThreads / 32 <= 256);
+  static_assert(kChunkRows <= 128 && kThreads / 32 <= 256,
+                "a shrunk chunk's sums, and the merge of up to kThreads / 32 row lanes' sums, must stay finite");
   constexpr int R = kRowsInFlight / P;  // a lane with more packs keeps fewer rows in flight (same registers)
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   const int64_t tile = blockIdx.x % layout.tiles, chunk = (blockIdx.x / layout.tiles) % chunks;

@@ -112,6 +112,16 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _check_flags(name: str, flags, input_ids: Tensor) -> None:
+    """A [B, L] bool or integer 0/1 tensor beside input_ids (attention_mask, sentence_ends)."""
+    if not isinstance(flags, Tensor) or flags.is_floating_point() or flags.is_complex():
+        _fail(f"expected {name} as a bool or integer 0/1 tensor, got {getattr(flags, 'dtype', type(flags).__name__)}")
+    if flags.shape != input_ids.shape:
+        _fail(f"expected {name} of shape {list(input_ids.shape)} (as input_ids), got {list(flags.shape)}")
+    if flags.dtype != torch.bool and bool(((flags != 0) & (flags != 1)).any()):
+        _fail(f"expected {name} values 0 or 1")
+
+
 def _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leading, num_trailing, max_length,
                   padding_side, landmark_id, pad_id):
     if not isinstance(input_ids, Tensor):
@@ -121,14 +131,8 @@ def _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leadin
         _fail(f"expected input_ids as an integer tensor [B, L], got {input_ids.dtype} of shape {list(input_ids.shape)}")
     if input_ids.is_meta:  # the new rows' width depends on the values
         _fail("expected input_ids with values (on the CPU or a GPU), got a meta tensor")
-    if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.is_floating_point()
-                                       or attention_mask.is_complex()):
-        _fail(f"expected attention_mask as a bool or integer 0/1 tensor, got "
-              f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)}")
-    if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        _fail(f"expected attention_mask of shape {list(input_ids.shape)} (as input_ids), got {list(attention_mask.shape)}")
-    if attention_mask is not None and bool(((attention_mask != 0) & (attention_mask != 1)).any()):
-        _fail("expected attention_mask values 0 or 1")
+    if attention_mask is not None:
+        _check_flags("attention_mask", attention_mask, input_ids)
     for name, value in (("landmark_id", landmark_id), ("pad_id", pad_id)):
         if not _is_int(value):
             _fail(f"expected {name} as an int, got {value!r}")
@@ -138,14 +142,8 @@ def _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leadin
         if not info.min <= int(value) <= info.max:
             _fail(f"expected {name} representable in input_ids' dtype {input_ids.dtype} ([{info.min}, {info.max}]), "
                   f"got {int(value)}; pass input_ids as int64")
-    if sentence_ends is not None and (not isinstance(sentence_ends, Tensor) or sentence_ends.is_floating_point()
-                                      or sentence_ends.is_complex()):
-        _fail(f"expected sentence_ends as a bool or integer 0/1 tensor, got "
-              f"{getattr(sentence_ends, 'dtype', type(sentence_ends).__name__)}")
-    if sentence_ends is not None and sentence_ends.shape != input_ids.shape:
-        _fail(f"expected sentence_ends of shape {list(input_ids.shape)} (as input_ids), got {list(sentence_ends.shape)}")
-    if sentence_ends is not None and bool(((sentence_ends != 0) & (sentence_ends != 1)).any()):
-        _fail("expected sentence_ends values 0 or 1")
+    if sentence_ends is not None:
+        _check_flags("sentence_ends", sentence_ends, input_ids)
     if isinstance(interval, Tensor):
         if interval.is_floating_point() or interval.is_complex() or interval.dtype == torch.bool:
             _fail(f"expected per-row intervals as an integer tensor, got {interval.dtype}")

@@ -104,6 +104,56 @@ def test_attention_over_values_near_the_float32_maximum_does_not_overflow(device
     assert torch.allclose(weights.cpu().double(), exact_weights, rtol=1e-5, atol=1e-9)
 
 
+def _centred_attention_grads(hidden, query, grad):
+    """The gradients of attention_pool (default scale, no mask) w.r.t. hidden and query, in float64, written
+    relative to each text's first row c: p_l (e_l - S) with e_l = <g, x_l - c> and S = sum_l p_l e_l, which no
+    choice of c changes. The autograd of the float64 reference forms <g, x_l> and cancels it against its mean,
+    which loses everything when |x| is near float32's maximum (its query gradient is off by 1e31 where the exact
+    value is 3e6); relative to the output m, m's rounding leaves 1e22 where rows are equal. Also the query
+    gradient's terms summed in magnitude, the scale of its rounding errors."""
+    x, q, g = hidden.double(), query.double().reshape(-1, query.shape[-1]), grad.double()
+    heads, head_dim = q.shape
+    x = x.unflatten(-1, (heads, head_dim))                                # [B, L, H, d]
+    g = g.unflatten(-1, (heads, head_dim))                                # [B, H, d]
+    scale = head_dim ** -0.5
+    p = torch.softmax(scale * torch.einsum("blhd,hd->bhl", x, q), dim=-1)
+    y = x - x[:, :1]
+    e = torch.einsum("bhd,blhd->bhl", g, y)
+    total = (p * e).sum(-1, keepdim=True)
+    coef = p * (e - total)                                                # [B, H, L]
+    grad_h = torch.einsum("bhl,bhd->blhd", p, g) + scale * torch.einsum("bhl,hd->blhd", coef, q)
+    grad_q = scale * torch.einsum("bhl,blhd->hd", coef, y)
+    terms = scale * torch.einsum("bhl,blhd->hd", p * (e.abs() + total.abs()), y.abs())
+    return grad_h.flatten(-2), grad_q.reshape(query.shape), terms.reshape(query.shape)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads", [1, 4])
+@pytest.mark.parametrize("length", [100, 1500])
+def test_attention_gradient_over_values_near_the_float32_maximum(device, dtype, heads, length):
+    # Rows of +-0.9 * max: x - m reaches 1.8 * max, past float32's range, though the gradient of hidden is tiny.
+    # The query's gradient grows with |x|^2: past float32's range in some features (inf, as the exact value
+    # rounds), small in others.
+    gen = torch.Generator().manual_seed(heads)
+    big = torch.tensor(0.9 * torch.finfo(torch.float32).max).to(dtype).item()
+    hidden = torch.full((2, length, 64), big, dtype=dtype)
+    hidden[1, ::2, :5] *= -1
+    hidden[1, :, 10:] = torch.randn(length, 54, generator=gen).to(dtype)
+    query = (torch.randn(64, generator=gen) * 1e-38).reshape(heads, -1).squeeze(0)
+    grad = (torch.randn(2, 64, generator=gen) * 1e-30).to(dtype)
+    h, q = hidden.to(device).requires_grad_(), query.to(device).requires_grad_()
+    grad_h, grad_q = torch.autograd.grad(lmk_ops.attention_pool(h, None, q), (h, q), grad.to(device))
+    exact_h, exact_q, terms_q = _centred_attention_grads(hidden, query, grad)
+    assert grad_h.isfinite().all()
+    tol = (1e-2 if dtype == torch.bfloat16 else 1e-5) * exact_h.abs().max().item()
+    assert torch.allclose(grad_h.cpu().double(), exact_h, rtol=0, atol=tol)
+    assert torch.equal(grad_q.isinf().cpu(), exact_q.float().isinf())
+    finite = exact_q.float().isfinite()
+    assert finite.any()
+    assert ((grad_q.cpu().double() - exact_q)[finite].abs() <= 1e-5 * terms_q[finite]).all()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("scale", [1e-30, 1e30])

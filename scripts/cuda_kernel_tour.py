@@ -2,7 +2,7 @@
 compute-sanitizer (memcheck, racecheck, synccheck, initcheck) watches in scripts/gpu_check.sh. Small on purpose (a
 sanitizer slows kernels 10-100x), but it covers each path: one chunk and several (L > 128), row listing by several
 blocks (L > 4096) with unaligned mask rows, 16-byte packs and the strided path, small, wide and very wide attention
-heads, attention's second pass over rows near float32's maximum, the value checks, and the four dtypes."""
+heads, attention's second passes (forward and backward) over rows near float32's maximum, the value checks, and the four dtypes."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ for dtype in DTYPES:
 tour(torch.bfloat16, 2, 4200, 24)  # listing by several blocks, mask rows not 16-byte aligned
 tour(torch.float32, 2, 140, 2048)  # one head of 512 packs: several packs a lane
 tour(torch.float32, 2, 140, 1200, layout="strided")  # one head of 1200 strided features
-# Rows near float32's maximum: attention's second, shrunk pass over a chunk (one chunk and several).
+# Rows near float32's maximum: attention's second, shrunk passes over a chunk, forward and backward (one chunk and
+# several).
 for seq_len in (100, 300):
     big = torch.full((2, seq_len, 64), 3e38, device="cuda", dtype=torch.bfloat16)
     big[1, ::2] *= -1

@@ -424,10 +424,17 @@ __global__ void __launch_bounds__(kThreads)
     attention_backward_chunks(const scalar_t* hidden, int64_t sb, int64_t sl, int64_t sd, SelectedRows rows,
                               const acc_t<scalar_t>* query, acc_t<scalar_t> scale, int64_t heads, HeadLayout layout,
                               int64_t chunks, const acc_t<scalar_t>* grad, const acc_t<scalar_t>* grad_weights,
-                              const acc_t<scalar_t>* out, const double* stats, acc_t<scalar_t>* prob,
-                              acc_t<scalar_t>* err, int64_t row_values_batch, acc_t<scalar_t>* part_pe,
-                              acc_t<scalar_t>* part_pex, acc_t<scalar_t>* part_px) {
+                              const acc_t<scalar_t>* out, const double* stats, acc_t<scalar_t>* prob, double* err,
+                              int64_t row_values_batch, double* part_pe, double* part_pex, double* part_px) {
   using acc = acc_t<scalar_t>;
+  // Rows near acc's maximum (float32's range, which bfloat16 shares) make x - m overflow though every gradient is
+  // finite. A chunk where a lane's sum passes kNearOverflow (or is not finite) is summed again with x - m taken as
+  // x * kShrink - m * kShrink, a power of two, so exactly: e and the sums of p e and p (x - m) carry one factor
+  // kShrink, that of p e (x - m) two, taken out where they are stored in float64. kNearOverflow keeps the merge of
+  // the row lanes' sums finite (as in attention_chunks). Inputs that are inf or NaN take the second pass too, and
+  // stay so; so does a p e (x - m) past float32's range even shrunk, whose query gradient is past it too.
+  constexpr acc kShrink = acc(1) / acc(256);
+  constexpr acc kNearOverflow = std::numeric_limits<acc>::max() / acc(256);
   constexpr int R = kRowsInFlight / P;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   const int64_t tile = blockIdx.x % layout.tiles, chunk = (blockIdx.x / layout.tiles) % chunks;
@@ -439,62 +446,81 @@ __global__ void __launch_bounds__(kThreads)
   const HeadLane<P> me = head_lane<P>(layout, tile, heads);
   const int64_t head = std::min(me.head, heads - 1), bh = b * heads + head;
   const acc best = static_cast<acc>(stats[bh * 2]), total = static_cast<acc>(stats[bh * 2 + 1]);
-  acc q[P][VEC], g[P][VEC], m[P][VEC], pex[P][VEC], px[P][VEC], pe = 0;
+  acc q[P][VEC], g[P][VEC], m[P][VEC], pex[P][VEC], px[P][VEC], pe;
   load_lane_wide(query, me, layout.seg, q);
   load_lane_wide(grad + b * dim, me, layout.seg, g);
   load_lane_wide(out + b * dim, me, layout.seg, m);
+  const scalar_t* text = hidden + b * sb;
+  const int64_t step = int64_t{layout.row_lanes} * R;
+  // One pass over the chunk's rows (this lane's share), x - m taken as x * shrink - m * shrink.
+  const auto sum_chunk = [&](acc shrink) {
+    pe = acc(0);
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        pex[p][i] = px[p][i] = acc(0);
+      }
+    }
+    for (int64_t base = begin; base < end; base += step) {
+      acc x[R][P][VEC], sums[2 * R];  // scores, then <g, x - m>
+      int64_t at[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int64_t j = base + int64_t{r} * layout.row_lanes + threadIdx.y;
+        at[r] = j < end ? rows.row(b, j) : -1;
+        sums[r] = sums[R + r] = acc(0);
+        if (at[r] >= 0) {
+          load_lane(text + at[r] * sl, me, layout.seg, sd, x[r]);
+          sums[r] = lane_dot(x[r], q);  // as in attention_chunks, so the score has the forward's bits
+#pragma unroll
+          for (int k = 0; k < P; ++k) {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) {
+              x[r][k][i] = x[r][k][i] * shrink - m[k][i] * shrink;
+              sums[R + r] += g[k][i] * x[r][k][i];
+            }
+          }
+        }
+      }
+      head_sums(sums, layout.seg);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (at[r] >= 0) {
+          const acc p = device_exp(sums[r] * scale - best) / total;
+          const int64_t row = b * row_values_batch + head * rows.seq_len + at[r];
+          const acc e = sums[R + r] + (grad_weights != nullptr ? grad_weights[row] * shrink : acc(0));
+          if (me.leader) {
+            prob[row] = p;
+            err[row] = static_cast<double>(e) / static_cast<double>(shrink);
+          }
+          pe += p * e;
+#pragma unroll
+          for (int k = 0; k < P; ++k) {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) {
+              pex[k][i] += p * e * x[r][k][i];
+              px[k][i] += p * x[r][k][i];
+            }
+          }
+        }
+      }
+    }
+  };
+  acc shrink = acc(1);
+  sum_chunk(shrink);
+  const auto near_overflow = [](acc v) { return !(v >= -kNearOverflow && v <= kNearOverflow); };  // a NaN too
+  bool overflowed = near_overflow(pe);
 #pragma unroll
   for (int p = 0; p < P; ++p) {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      pex[p][i] = px[p][i] = acc(0);
+      overflowed |= near_overflow(pex[p][i]) || near_overflow(px[p][i]);
     }
   }
-  const scalar_t* text = hidden + b * sb;
-  const int64_t step = int64_t{layout.row_lanes} * R;
-  for (int64_t base = begin; base < end; base += step) {
-    acc x[R][P][VEC], sums[2 * R];  // scores, then <g, x - m>
-    int64_t at[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int64_t j = base + int64_t{r} * layout.row_lanes + threadIdx.y;
-      at[r] = j < end ? rows.row(b, j) : -1;
-      sums[r] = sums[R + r] = acc(0);
-      if (at[r] >= 0) {
-        load_lane(text + at[r] * sl, me, layout.seg, sd, x[r]);
-        sums[r] = lane_dot(x[r], q);  // as in attention_chunks, so the score has the forward's bits
-#pragma unroll
-        for (int k = 0; k < P; ++k) {
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            x[r][k][i] -= m[k][i];
-            sums[R + r] += g[k][i] * x[r][k][i];
-          }
-        }
-      }
-    }
-    head_sums(sums, layout.seg);
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (at[r] >= 0) {
-        const acc p = device_exp(sums[r] * scale - best) / total;
-        const int64_t row = b * row_values_batch + head * rows.seq_len + at[r];
-        const acc e = sums[R + r] + (grad_weights != nullptr ? grad_weights[row] : acc(0));
-        if (me.leader) {
-          prob[row] = p;
-          err[row] = e;
-        }
-        pe += p * e;
-#pragma unroll
-        for (int k = 0; k < P; ++k) {
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            pex[k][i] += p * e * x[r][k][i];
-            px[k][i] += p * x[r][k][i];
-          }
-        }
-      }
-    }
+  if (__syncthreads_or(overflowed)) {  // the whole block takes the same branch
+    shrink = kShrink;
+    sum_chunk(shrink);
   }
 
   if (layout.row_lanes > 1) {
@@ -528,19 +554,20 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   const int64_t part = b * chunks + chunk;
+  const double unshrink = 1.0 / static_cast<double>(shrink);
 #pragma unroll
   for (int p = 0; p < P; ++p) {
     if (me.active[p]) {
       const int64_t feature = me.pack(p, layout.seg) * VEC;
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        part_pex[part * dim + feature + i] = pex[p][i];
-        part_px[part * dim + feature + i] = px[p][i];
+        part_pex[part * dim + feature + i] = static_cast<double>(pex[p][i]) * unshrink * unshrink;
+        part_px[part * dim + feature + i] = static_cast<double>(px[p][i]) * unshrink;
       }
     }
   }
   if (me.leader) {
-    part_pe[part * heads + me.head] = pe;
+    part_pe[part * heads + me.head] = static_cast<double>(pe) * unshrink;
   }
 }
 
@@ -548,9 +575,9 @@ __global__ void __launch_bounds__(kThreads)
 // rows) and the text's share of the query gradient, scale * (sum p e (x - m) - S sum p (x - m)), each summed in
 // chunk order in float64. The shares are then summed over the texts by a deterministic ATen reduction.
 template <typename acc>
-__global__ void attention_text_sums(const acc* part_pe, const acc* part_pex, const acc* part_px, SelectedRows rows,
-                                    int64_t batch, int64_t heads, int64_t head_dim, int64_t chunks, acc scale,
-                                    acc* text_sums, acc* query_shares) {
+__global__ void attention_text_sums(const double* part_pe, const double* part_pex, const double* part_px,
+                                    SelectedRows rows, int64_t batch, int64_t heads, int64_t head_dim,
+                                    int64_t chunks, acc scale, double* text_sums, acc* query_shares) {
   const int64_t dim = heads * head_dim, i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (i >= batch * dim) {
     return;
@@ -565,7 +592,7 @@ __global__ void attention_text_sums(const acc* part_pe, const acc* part_pex, con
   }
   query_shares[i] = static_cast<acc>(scale * (pex - s * px));
   if (d % head_dim == 0) {
-    text_sums[b * heads + h] = static_cast<acc>(s);
+    text_sums[b * heads + h] = s;
   }
 }
 
@@ -575,7 +602,7 @@ __global__ void attention_text_sums(const acc* part_pe, const acc* part_pex, con
 template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kThreads)
     attention_grad_rows(const bool* valid, const int64_t* text_of_row, const acc_t<scalar_t>* prob,
-                        const acc_t<scalar_t>* err, int64_t row_values_batch, const acc_t<scalar_t>* text_sums,
+                        const double* err, int64_t row_values_batch, const double* text_sums,
                         const acc_t<scalar_t>* grad, const acc_t<scalar_t>* query, acc_t<scalar_t> scale,
                         int64_t rows, int64_t seq_len, int64_t heads, int64_t head_dim, scalar_t* grad_hidden) {
   using acc = acc_t<scalar_t>;
@@ -591,7 +618,7 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t h = static_cast<int32_t>(v) / static_cast<int32_t>(head_packs);  // D < 2^31
         const int64_t at = b * row_values_batch + h * seq_len + l, bh = b * heads + h;
         const acc p = prob[at];
-        const acc c = scale * p * (err[at] - text_sums[bh]);
+        const auto c = static_cast<acc>(scale * p * (err[at] - text_sums[bh]));  // e, S: past float32's range
         acc g[VEC], q[VEC];
         load_pack<VEC>(grad + b * dim + v * VEC, g);
         load_pack<VEC>(query + v * VEC, q);
@@ -725,10 +752,12 @@ void backward_typed(const Tensor& grad, const Tensor& grad_weights, const Tensor
   // p and e per (text, head, row): [B, H, L], or [H, T] for a packed batch (its texts' rows never overlap).
   const int64_t row_texts = rows.packed() ? 1 : batch;
   Tensor prob = empty_on(hidden, {row_texts, heads, seq_len}, wide);
-  Tensor err = empty_on(hidden, {row_texts, heads, seq_len}, wide);
-  Tensor part_pe = empty_on(hidden, {batch, chunks, heads}, wide);
-  Tensor part_pex = empty_on(hidden, {batch, chunks, dim}, wide), part_px = empty_on(hidden, {batch, chunks, dim}, wide);
-  Tensor text_sums = empty_on(hidden, {batch, heads}, wide), query_shares = empty_on(hidden, {batch, dim}, wide);
+  // e, S and the chunk sums in float64: near float32's maximum they pass its range though the gradients do not.
+  Tensor err = empty_on(hidden, {row_texts, heads, seq_len}, ScalarType::Double);
+  Tensor part_pe = empty_on(hidden, {batch, chunks, heads}, ScalarType::Double);
+  Tensor part_pex = empty_on(hidden, {batch, chunks, dim}, ScalarType::Double);
+  Tensor part_px = empty_on(hidden, {batch, chunks, dim}, ScalarType::Double);
+  Tensor text_sums = empty_on(hidden, {batch, heads}, ScalarType::Double), query_shares = empty_on(hidden, {batch, dim}, wide);
   const acc wide_scale = static_cast<acc>(scale);
   with_head_layout<scalar_t>(layout, [&]<int VEC, int P>() {
     const size_t shared = layout.row_lanes > 1 ? size_t{kThreads} * (2 * P * VEC + 1) * sizeof(acc) : 0;
@@ -737,14 +766,15 @@ void backward_typed(const Tensor& grad, const Tensor& grad_weights, const Tensor
             hidden.const_data_ptr<scalar_t>(), hidden.stride(0), hidden.stride(1), hidden.stride(2), list.view(),
             query.const_data_ptr<acc>(), wide_scale, heads, layout, chunks, grad.const_data_ptr<acc>(),
             grad_weights.defined() ? grad_weights.const_data_ptr<acc>() : nullptr, out.const_data_ptr<acc>(),
-            stats.const_data_ptr<double>(), prob.mutable_data_ptr<acc>(), err.mutable_data_ptr<acc>(),
-            row_values_batch, part_pe.mutable_data_ptr<acc>(), part_pex.mutable_data_ptr<acc>(),
-            part_px.mutable_data_ptr<acc>());
+            stats.const_data_ptr<double>(), prob.mutable_data_ptr<acc>(), err.mutable_data_ptr<double>(),
+            row_values_batch, part_pe.mutable_data_ptr<double>(), part_pex.mutable_data_ptr<double>(),
+            part_px.mutable_data_ptr<double>());
     check_launch();
   });
   attention_text_sums<acc><<<ceil_div(batch * dim, kThreads), kThreads, 0, stream()>>>(
-      part_pe.const_data_ptr<acc>(), part_pex.const_data_ptr<acc>(), part_px.const_data_ptr<acc>(), list.view(),
-      batch, heads, head_dim, chunks, wide_scale, text_sums.mutable_data_ptr<acc>(), query_shares.mutable_data_ptr<acc>());
+      part_pe.const_data_ptr<double>(), part_pex.const_data_ptr<double>(), part_px.const_data_ptr<double>(),
+      list.view(), batch, heads, head_dim, chunks, wide_scale, text_sums.mutable_data_ptr<double>(),
+      query_shares.mutable_data_ptr<acc>());
   check_launch();
   Tensor flat_grad_query = torch::stable::view(grad_query, {dim});
   torch::stable::sum_out(flat_grad_query, query_shares, torch::headeronly::IntHeaderOnlyArrayRef({int64_t{0}}));
@@ -755,7 +785,7 @@ void backward_typed(const Tensor& grad, const Tensor& grad_weights, const Tensor
     attention_grad_rows<scalar_t, VEC><<<grid_for(grad_rows, kWarpsPerBlock), kThreads, 0, stream()>>>(
         rows.valid.defined() ? rows.valid.const_data_ptr<bool>() : nullptr,
         rows.packed() ? rows.text_of_row.const_data_ptr<int64_t>() : nullptr, prob.const_data_ptr<acc>(),
-        err.const_data_ptr<acc>(), row_values_batch, text_sums.const_data_ptr<acc>(), grad.const_data_ptr<acc>(),
+        err.const_data_ptr<double>(), row_values_batch, text_sums.const_data_ptr<double>(), grad.const_data_ptr<acc>(),
         query.const_data_ptr<acc>(), wide_scale, grad_rows, seq_len, heads, head_dim,
         grad_hidden.mutable_data_ptr<scalar_t>());
     check_launch();

@@ -60,7 +60,7 @@ template <int64_t kSpan, typename scalar_t>
 // partial sums (partial_dot), which dot() reduces and completes with the remaining features. prefetch: a
 // contiguous row to prefetch the same features of as x is read (prefetch_span), or null.
 template <bool kCentred, typename scalar_t>
-inline Vec<acc_t<scalar_t>> partial_dot(const scalar_t* x, const acc_t<scalar_t>* m, const acc_t<scalar_t>* y,
+[[gnu::always_inline]] inline Vec<acc_t<scalar_t>> partial_dot(const scalar_t* x, const acc_t<scalar_t>* m, const acc_t<scalar_t>* y,
                                         int64_t n, const scalar_t* prefetch = nullptr) {
   using V = Vec<acc_t<scalar_t>>;
   constexpr int64_t W = V::size();
@@ -146,7 +146,7 @@ inline float sum_lanes_as_each(const Vec<float>& v) {
 #endif
 
 // partial_dot<false> of a bfloat16 row and a query in pair order (n a multiple of kPairBlock).
-inline Vec<float> partial_dot_pairs(const c10::BFloat16* x, const float* q, int64_t n,
+[[gnu::always_inline]] inline Vec<float> partial_dot_pairs(const c10::BFloat16* x, const float* q, int64_t n,
                                     const c10::BFloat16* prefetch) {
   using V = Vec<float>;
   constexpr int64_t kHalf = kPairBlock / 2;
@@ -188,29 +188,44 @@ inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>*
   if constexpr (std::is_same_v<acc_t<scalar_t>, float>) {
     constexpr int64_t kLanes = Vec<float>::size();
     if (pairs || (stride == 1 && head_dim % kLanes == 0 && head_dim <= kNarrowHeadDim)) {
-      for (; h < heads; h += kLanes) {
-        const int64_t count = std::min<int64_t>(kLanes, heads - h);
-        Vec<float> partial[kLanes];
+      // Head `head`'s partial sums, `width` its features: head_dim, or the same as a constant (the common 64), so
+      // that the loops over its features unroll whole.
+      const auto partial = [&](int64_t head, auto width) {
+        const scalar_t* xh = x + head * head_dim;
+        const float* qh = q + head * head_dim;
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          if (pairs) {
+            return partial_dot_pairs(xh, qh, width, prefetch_head(head));
+          }
+        }
+        return partial_dot<false>(xh, nullptr, qh, width, prefetch_head(head));
+      };
+      const auto whole_vectors_of_heads = [&](auto width) {  // unrolled, the partials in registers
+        for (; h + kLanes <= heads; h += kLanes) {
+          Vec<float> partials[kLanes];
+#pragma GCC unroll 16
+          for (int64_t j = 0; j < kLanes; ++j) {
+            partials[j] = partial(h + j, width);
+          }
+          (sum_lanes_each(partials) * Vec<float>(scale)).store(out + h);
+        }
+      };
+      if (head_dim == 64) {
+        whole_vectors_of_heads(std::integral_constant<int64_t, 64>());
+      } else {
+        whole_vectors_of_heads(head_dim);
+      }
+      const int64_t count = heads - h;
+      if (count > kLanes / 2) {  // many heads left: the shared transpose, padded with zeros
+        Vec<float> partials[kLanes];
         for (int64_t j = 0; j < kLanes; ++j) {
-          const scalar_t* xj = x + (h + j) * head_dim;
-          const float* qj = q + (h + j) * head_dim;
-          const scalar_t* pj = prefetch_head(h + j);
-          if (j >= count) {
-            partial[j] = Vec<float>(0);
-          } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-            partial[j] = pairs ? partial_dot_pairs(xj, qj, head_dim, pj)
-                               : partial_dot<false>(xj, nullptr, qj, head_dim, pj);
-          } else {
-            partial[j] = partial_dot<false>(xj, nullptr, qj, head_dim, pj);
-          }
+          partials[j] = j < count ? partial(h + j, head_dim) : Vec<float>(0);
         }
-        if (count <= kLanes / 2) {  // a few heads: reduced one by one, cheaper than the shared transpose
-          for (int64_t j = 0; j < count; ++j) {
-            out[h + j] = sum_lanes_as_each(partial[j]) * scale;
-          }
-        } else {
-          (sum_lanes_each(partial) * Vec<float>(scale)).store(out + h, count);
-        }
+        (sum_lanes_each(partials) * Vec<float>(scale)).store(out + h, count);
+        h = heads;
+      }
+      for (; h < heads; ++h) {  // a few heads: reduced one by one, cheaper than the shared transpose
+        out[h] = sum_lanes_as_each(partial(h, head_dim)) * scale;
       }
     }
   }
@@ -280,36 +295,47 @@ struct SoftmaxReducer {
         }
       }
     }
-    // Per head, the running maximum moves up to the group's if a score passes it, rescaling what was added so far.
-    for (int64_t h = 0; h < heads; ++h) {
-      acc group_max = running_max[h];
+    // Per head, the running maximum moves up to the group's if a score passes it (a NaN score is passed over here
+    // and poisons the total below), rescaling what was added so far: a vector of heads at a time, the rare move
+    // head by head.
+    int64_t h = 0;
+    for (; h + V::size() <= heads; h += V::size()) {
+      const typename V::Native before = V::loadu(running_max + h).v;
+      typename V::Native top = before;
       for (int r = 0; r < k; ++r) {
-        group_max = std::max(group_max, group_scores[r * heads + h]);  // a NaN score is passed over here and
-      }                                                                 // poisons the total below
-      if (group_max > running_max[h]) {
-        if (running_max[h] != -std::numeric_limits<acc>::infinity()) {  // else nothing was added yet
-          const acc factor = exp_acc(running_max[h] - group_max);
-          scale_in_place(weighted_total + h * head_dim, factor);
-          scale_in_place(weighted + h * head_dim, factor);
-          total_sum[h] *= factor;
-          total[h] *= factor;
+        const typename V::Native s = V::loadu(group_scores + r * heads + h).v;
+        top = s > top ? s : top;
+      }
+      if (any_lane(top > before)) {
+        for (int64_t j = 0; j < V::size(); ++j) {
+          raise_max(h + j, top[j]);
         }
-        running_max[h] = group_max;
       }
     }
-    // The weights exp(score - max), all of the group's at once (exp.h).
+    for (; h < heads; ++h) {
+      acc top = running_max[h];
+      for (int r = 0; r < k; ++r) {
+        top = group_scores[r * heads + h] > top ? group_scores[r * heads + h] : top;
+      }
+      raise_max(h, top);
+    }
+    // The weights exp(score - max), all of the group's at once (exp.h), and their totals per head.
     for (int r = 0; r < k; ++r) {
-      for (int64_t h = 0; h < heads; ++h) {
-        group_scores[r * heads + h] -= running_max[h];
+      for (int64_t j = 0; j < heads; ++j) {
+        group_scores[r * heads + j] -= running_max[j];
       }
     }
     exp_in_place(group_scores, k * heads);
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int r = 0; r < k; ++r) {
+      for (int64_t j = 0; j < heads; ++j) {
+        total[j] += group_scores[r * heads + j];
+      }
+    }
+    for (h = 0; h < heads; ++h) {
       acc p[kRowGroup];
       const scalar_t* x[kRowGroup];
       for (int r = 0; r < k; ++r) {
         p[r] = group_scores[r * heads + h];
-        total[h] += p[r];
         x[r] = g.rows[r] + h * head_dim * stride;
       }
       add_rows(weighted + h * head_dim, p, x, k, stride);
@@ -318,6 +344,21 @@ struct SoftmaxReducer {
     if (chunk_rows >= kFoldRows) {
       fold();
     }
+  }
+
+  // Head h's running maximum up to top where top passes it, rescaling what was added so far.
+  void raise_max(int64_t h, acc top) {
+    if (!(top > running_max[h])) {
+      return;
+    }
+    if (running_max[h] != -std::numeric_limits<acc>::infinity()) {  // else nothing was added yet
+      const acc factor = exp_acc(running_max[h] - top);
+      scale_in_place(weighted_total + h * head_dim, factor);
+      scale_in_place(weighted + h * head_dim, factor);
+      total_sum[h] *= factor;
+      total[h] *= factor;
+    }
+    running_max[h] = top;
   }
 
   // After fold(): where a weighted sum or total is not finite, the chunk again, its weights exp(score - max)

@@ -84,6 +84,18 @@ struct Vec {
   friend Vec operator*(Vec a, Vec b) { return a.v * b.v; }
 };
 
+// Whether any lane of a vector comparison's result (each lane all ones or zero) is set.
+template <typename Mask>
+inline bool any_lane(Mask mask) {
+  uint64_t words[sizeof(Mask) / 8];
+  std::memcpy(words, &mask, sizeof words);
+  uint64_t any = 0;
+  for (uint64_t w : words) {
+    any |= w;
+  }
+  return any != 0;
+}
+
 // a * b + c, fused where the capability has FMA.
 template <typename T>
 inline Vec<T> fmadd(Vec<T> a, Vec<T> b, Vec<T> c) {

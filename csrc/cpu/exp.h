@@ -72,9 +72,19 @@ inline void exp_acc_vector(float* v) {
   typedef float Narrow __attribute__((vector_size(kVectorBytes / 2)));
   Narrow narrow;
   std::memcpy(&narrow, v, sizeof narrow);
+#if defined(CPU_CAPABILITY_AVX512)
+  // The clamp as the scalar form's comparisons: max(c, x) and min(c, x) return x where x is a NaN. (GCC lowers the
+  // generic widening and ternaries to a store, two half conversions and compare-and-blends: twice the instructions.)
+  __m512d x = _mm512_cvtps_pd(reinterpret_cast<__m256>(narrow));
+  x = _mm512_min_pd(_mm512_set1_pd(kClamp), _mm512_max_pd(_mm512_set1_pd(-kClamp), x));
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256d x = _mm256_cvtps_pd(reinterpret_cast<__m128>(narrow));
+  x = _mm256_min_pd(_mm256_set1_pd(kClamp), _mm256_max_pd(_mm256_set1_pd(-kClamp), x));
+#else
   D::Native x = __builtin_convertvector(narrow, D::Native);
   x = D(-kClamp).v > x ? D(-kClamp).v : x;  // as the scalar form: a NaN passes through
   x = x > D(kClamp).v ? D(kClamp).v : x;
+#endif
   const D shifted = fmadd(D(x), D(kLog2e), D(kShifter));
   const D k = shifted - D(kShifter);
   D r = fmadd(k, D(-kLn2Hi), D(x));  // -k * kLn2Hi is k * -kLn2Hi exactly
@@ -85,7 +95,13 @@ inline void exp_acc_vector(float* v) {
   }
   using Bits = Vec<int64_t>::Native;
   const Bits bits = (reinterpret_cast<Bits>(shifted.v) + 1023) << 52;  // 2^k: the low bits of `shifted` are k
+#if defined(CPU_CAPABILITY_AVX512)
+  narrow = reinterpret_cast<Narrow>(_mm512_cvtpd_ps((p * D(reinterpret_cast<D::Native>(bits))).v));
+#elif defined(CPU_CAPABILITY_AVX2)
+  narrow = reinterpret_cast<Narrow>(_mm256_cvtpd_ps((p * D(reinterpret_cast<D::Native>(bits))).v));
+#else
   narrow = __builtin_convertvector((p * D(reinterpret_cast<D::Native>(bits))).v, Narrow);
+#endif
   std::memcpy(v, &narrow, sizeof narrow);
 }
 #endif

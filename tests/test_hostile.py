@@ -104,6 +104,31 @@ def test_attention_over_values_near_the_float32_maximum_does_not_overflow(device
     assert torch.allclose(weights.cpu().double(), exact_weights, rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads", [1, 4, 16])
+def test_attention_scores_whose_dot_product_overflows_before_the_scale(device, dtype, heads):
+    # States of ~4e37 and a unit query: <x, q> passes float32's maximum, scale * <x, q> does not. The softmax is then
+    # one-hot on each text's top row, and the gradients are finite.
+    gen = torch.Generator().manual_seed(heads)
+    hidden = (torch.randn(2, 300, 64 * heads, generator=gen) * 4e37).to(dtype)  # heads of 64 features
+    query = torch.randn(heads, 64, generator=gen).squeeze(0)
+    grad = torch.randn(2, 64 * heads, generator=gen).to(dtype)
+    h, q = hidden.to(device).requires_grad_(), query.to(device).requires_grad_()
+    out, weights = lmk_ops.attention_pool(h, None, q, return_weights=True)
+    grad_h, grad_q = torch.autograd.grad(out, (h, q), grad.to(device))
+    h64, q64 = hidden.double().requires_grad_(), query.double().requires_grad_()
+    exact, exact_weights = reference.attention_pool(h64, None, q64, return_weights=True)
+    exact_h, exact_q = torch.autograd.grad(exact, (h64, q64), grad.double())
+    dots = torch.einsum("blhd,hd->bhl", hidden.double().unflatten(-1, (heads, 64)), query.double().reshape(heads, 64))
+    assert (dots.abs() > torch.finfo(torch.float32).max).any()  # the case: a dot product overflows float32
+    assert torch.equal(out.cpu(), exact.to(dtype))
+    assert torch.equal(weights.cpu(), exact_weights.to(weights.dtype))
+    assert grad_h.isfinite().all() and grad_q.isfinite().all()
+    assert torch.allclose(grad_h.cpu().double(), exact_h, rtol=1e-2, atol=1e-6)
+    assert torch.allclose(grad_q.cpu().double(), exact_q, rtol=1e-2, atol=1e-6)
+
+
 def _centred_attention_grads(hidden, query, grad):
     """The gradients of attention_pool (default scale, no mask) w.r.t. hidden and query, in float64, written
     relative to each text's first row c: p_l (e_l - S) with e_l = <g, x_l - c> and S = sum_l p_l e_l, which no

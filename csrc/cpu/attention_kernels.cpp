@@ -234,6 +234,24 @@ inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>*
     out[h] = dot<false>(x + h * head_dim * stride, stride, nullptr, q + h * head_dim, head_dim, prefetch_head(h)) *
              scale;
   }
+  if constexpr (std::is_same_v<acc_t<scalar_t>, float>) {
+    // Rows near float32's maximum overflow the unscaled dot product though the scaled score may be finite: such a
+    // score again in float64 (where it cannot overflow), scaled, then rounded. A finite score never takes this path,
+    // so the forward and the backward decide alike.
+    bool overflowed = false;
+    for (h = 0; h < heads; ++h) {
+      overflowed |= !(std::abs(out[h]) <= std::numeric_limits<float>::max());
+    }
+    for (h = 0; overflowed && h < heads; ++h) {
+      if (!(std::abs(out[h]) <= std::numeric_limits<float>::max())) {
+        double wide = 0;
+        for (int64_t i = h * head_dim; i < (h + 1) * head_dim; ++i) {
+          wide += static_cast<double>(x[i * stride]) * static_cast<double>(q[pairs ? pair_index(i) : i]);
+        }
+        out[h] = static_cast<float>(wide * static_cast<double>(scale));
+      }
+    }
+  }
 }
 
 // total[i] += chunk[i], then chunk[i] = 0, for n values: a chunk's sums folded into the running totals.

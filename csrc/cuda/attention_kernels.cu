@@ -102,14 +102,15 @@ __device__ HeadLane<P> head_lane(const HeadLayout& layout, int64_t tile, int64_t
 
 // The lane's share of a score: its packs' features times the query's, in one fixed order (the forward and the
 // backward both call it, so a recomputed score has the forward's bits).
+// shrink: 1, or kDotShrink for the second form of overflowed_scores.
 template <int P, int VEC, typename acc>
-__device__ __forceinline__ acc lane_dot(const acc (&x)[P][VEC], const acc (&q)[P][VEC]) {
+__device__ __forceinline__ acc lane_dot(const acc (&x)[P][VEC], const acc (&q)[P][VEC], acc shrink = acc(1)) {
   acc s = acc(0);
 #pragma unroll
   for (int p = 0; p < P; ++p) {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      s += x[p][i] * q[p][i];
+      s += (x[p][i] * shrink) * q[p][i];
     }
   }
   return s;
@@ -178,6 +179,38 @@ __device__ void head_sums(acc (&values)[N], int seg) {
   __syncthreads();
 }
 
+// Rows near float32's maximum overflow the dot product <x, q> though scale * <x, q> may be finite. Such scores
+// are summed again from the products of the rows scaled by kDotShrink (a power of two, so with the same roundings)
+// and scaled back after the scale.
+constexpr float kDotShrink = 0x1p-64f;
+
+// The scores scale * <x, q> of the rows in flight, from their head sums (`sums`, after head_sums) and, where
+// a sum is not finite in float32, from `shrunk`: each row's lane_dot with kDotShrink, summed here. Every thread of
+// the block must call it (head_sums); which scores take the second form depends only on their own sums, so the
+// backward recomputes the forward's bits.
+template <int N, typename acc>
+__device__ __forceinline__ void scale_scores(acc (&sums)[N], acc (&shrunk)[N], int seg, acc scale) {
+  bool overflowed = false;
+#pragma unroll
+  for (int r = 0; r < N; ++r) {
+    overflowed |= !isfinite(sums[r]);
+  }
+  if constexpr (std::is_same_v<acc, float>) {
+    if (__syncthreads_or(overflowed)) {  // the whole block takes the same branch
+      head_sums(shrunk, seg);
+#pragma unroll
+      for (int r = 0; r < N; ++r) {
+        sums[r] = isfinite(sums[r]) ? sums[r] * scale : shrunk[r] * scale / kDotShrink;
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < N; ++r) {
+    sums[r] *= scale;
+  }
+}
+
 // Scales total and weighted (P x VEC values) from exp(. - from) to exp(. - to), to >= from; a lane with nothing
 // yet (from = -inf) contributes nothing.
 template <int P, int VEC, typename acc>
@@ -239,23 +272,24 @@ __global__ void __launch_bounds__(kThreads)
     best = kNegInf;
     total = 0;
     for (int64_t base = begin; base < end; base += step) {
-      acc x[R][P][VEC], s[R];
+      acc x[R][P][VEC], s[R], shrunk[R];
       int64_t at[R];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int64_t j = base + int64_t{r} * layout.row_lanes + threadIdx.y;
         at[r] = j < end ? rows.row(b, j) : -1;
-        s[r] = acc(0);
+        s[r] = shrunk[r] = acc(0);
         if (at[r] >= 0) {
           load_lane(text + at[r] * sl, me, layout.seg, sd, x[r]);
           s[r] = lane_dot(x[r], q);
+          shrunk[r] = lane_dot(x[r], q, acc(kDotShrink));
         }
       }
       head_sums(s, layout.seg);
+      scale_scores(s, shrunk, layout.seg, scale);
       acc top = best;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        s[r] *= scale;
         if (at[r] >= 0) {
           top = s[r] > top ? s[r] : top;
           if (scores != nullptr && me.leader) {
@@ -463,16 +497,17 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     for (int64_t base = begin; base < end; base += step) {
-      acc x[R][P][VEC], sums[2 * R];  // scores, then <g, x - m>
+      acc x[R][P][VEC], sums[2 * R], shrunk[R];  // sums: scores, then <g, x - m>
       int64_t at[R];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int64_t j = base + int64_t{r} * layout.row_lanes + threadIdx.y;
         at[r] = j < end ? rows.row(b, j) : -1;
-        sums[r] = sums[R + r] = acc(0);
+        sums[r] = sums[R + r] = shrunk[r] = acc(0);
         if (at[r] >= 0) {
           load_lane(text + at[r] * sl, me, layout.seg, sd, x[r]);
           sums[r] = lane_dot(x[r], q);  // as in attention_chunks, so the score has the forward's bits
+          shrunk[r] = lane_dot(x[r], q, acc(kDotShrink));
 #pragma unroll
           for (int k = 0; k < P; ++k) {
 #pragma unroll
@@ -484,10 +519,16 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       head_sums(sums, layout.seg);
+      acc scores[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        scores[r] = sums[r];
+      }
+      scale_scores(scores, shrunk, layout.seg, scale);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         if (at[r] >= 0) {
-          const acc p = device_exp(sums[r] * scale - best) / total;
+          const acc p = device_exp(scores[r] - best) / total;
           const int64_t row = b * row_values_batch + head * rows.seq_len + at[r];
           const acc e = sums[R + r] + (grad_weights != nullptr ? grad_weights[row] * shrink : acc(0));
           if (me.leader) {

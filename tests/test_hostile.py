@@ -364,6 +364,15 @@ def test_empty_sequences():
     out = reference.landmark_mean(torch.randn(2, 0, 4), torch.full((2, 3), -1))
     assert torch.equal(out, torch.zeros(2, 4))
     assert torch.equal(lmk_ops.landmark_mean(torch.randn(2, 0, 4), torch.full((2, 3), -1)), out)
+    # Every pooling op and its reference on texts of length 0: zeros (max: positions -1).
+    hidden, zeros = torch.randn(2, 0, 4), torch.zeros(2, 4)
+    for op in ("mean_pool", "max_pool", "first_token_pool", "last_token_pool"):
+        for mask in (None, torch.zeros(2, 0, dtype=torch.bool)):
+            assert torch.equal(getattr(lmk_ops, op)(hidden, mask), zeros), op
+            assert torch.equal(getattr(reference, op)(hidden, mask), zeros), op
+    minus_one = torch.full((2, 4), -1, dtype=torch.int32)
+    assert torch.equal(reference.max_pool(hidden, return_indices=True)[1], minus_one)
+    assert torch.equal(lmk_ops.max_pool(hidden, return_indices=True)[1], minus_one)
 
 
 def test_insert_landmarks_takes_integer_intervals_only():

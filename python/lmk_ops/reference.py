@@ -32,7 +32,16 @@ def mean_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = F
     return _maybe_normalize(summed / count, normalize)
 
 
+def _no_tokens(hidden: Tensor) -> Tensor:
+    """The pooled zeros of a batch of texts of length 0 (argmax and amax refuse an empty dimension)."""
+    return hidden.new_zeros((hidden.shape[0], hidden.shape[2]))
+
+
 def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False, return_indices: bool = False):
+    if hidden.shape[1] == 0:
+        empty = _no_tokens(hidden)
+        return (empty, torch.full(empty.shape, -1, dtype=torch.int32, device=hidden.device)) if return_indices \
+            else empty
     valid = _valid(hidden, mask).unsqueeze(-1)
     filled = hidden.masked_fill(~valid, float("-inf"))
     best = filled.amax(dim=1, keepdim=True)
@@ -49,6 +58,8 @@ def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = Fa
 
 def first_token_pool(hidden: Tensor, mask: Tensor | None = None) -> Tensor:
     """The first valid token's state (zeros for a text with none), as sentence-transformers' cls pooling finds it."""
+    if hidden.shape[1] == 0:
+        return _no_tokens(hidden)
     valid = _valid(hidden, mask)
     index = valid.to(torch.int).argmax(dim=1)
     picked = hidden.gather(1, index.view(-1, 1, 1).expand(-1, 1, hidden.shape[2])).squeeze(1)
@@ -56,6 +67,8 @@ def first_token_pool(hidden: Tensor, mask: Tensor | None = None) -> Tensor:
 
 
 def last_token_pool(hidden: Tensor, mask: Tensor | None = None) -> Tensor:
+    if hidden.shape[1] == 0:
+        return _no_tokens(hidden)
     valid = _valid(hidden, mask)
     index = hidden.shape[1] - 1 - valid.flip(1).to(torch.int).argmax(dim=1)
     picked = hidden.gather(1, index.view(-1, 1, 1).expand(-1, 1, hidden.shape[2])).squeeze(1)

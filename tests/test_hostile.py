@@ -64,23 +64,31 @@ def test_float16_means_of_large_values_do_not_overflow(value):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("value", [-0.99, 0.5, 0.99])
-def test_means_of_values_near_the_float32_maximum_do_not_overflow(device, dtype, value):
-    # bfloat16 shares float32's range, so float32 sums of its largest values overflow though their mean is finite.
-    big = torch.tensor(value * torch.finfo(torch.float32).max).to(dtype).item()
+def test_means_of_values_near_the_dtype_maximum_do_not_overflow(device, dtype, value):
+    # bfloat16 shares float32's range, so float32 sums of its largest values overflow though their mean is finite;
+    # float64 sums of values near float64's maximum do. Attention pooling with a zero query is the same mean.
+    top = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
+    big = torch.tensor(value * top, dtype=torch.float64).to(dtype).item()
     hidden = torch.full((2, 1500, 4), big, dtype=dtype)  # three chunks of rows, and a column of mixed signs
     hidden[1, :, 0] *= torch.tensor([1.0, -1.0]).repeat(750).to(dtype)
-    expected = hidden.double().mean(1)
+    expected = (hidden.double() / 4096).mean(1) * 4096  # exact scaling: float64's own mean overflows here
     hidden = hidden.to(device)
     got = lmk_ops.mean_pool(hidden).cpu()
     assert got.isfinite().all()
-    assert torch.equal(got, expected.to(dtype))
+    if dtype == torch.float64:  # the rows are summed in float64 itself: a few ulps
+        assert torch.allclose(got, expected, rtol=1e-13, atol=0)
+    else:
+        assert torch.equal(got, expected.to(dtype))
+    attended = lmk_ops.attention_pool(hidden, None, torch.zeros(4, device=device)).cpu()
+    assert attended.isfinite().all()
+    assert torch.allclose(attended.double(), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
     mask = torch.ones(2, 1500, dtype=torch.bool, device=device)
     assert torch.equal(lmk_ops.landmark_mean(hidden, mask).cpu(), got)
     cu_seqlens = torch.tensor([0, 1500, 3000], device=device)
     assert torch.equal(lmk_ops.mean_pool(hidden.flatten(0, 1), cu_seqlens=cu_seqlens).cpu(), got)
-    unit = torch.nn.functional.normalize(expected, dim=-1)
+    unit = torch.nn.functional.normalize(expected / top, dim=-1)  # the same direction; squares that do not overflow
     rtol = 1e-2 if dtype == torch.bfloat16 else 1e-6
     assert torch.allclose(lmk_ops.mean_pool(hidden, normalize=True).cpu().double(), unit, rtol=rtol)
 

@@ -60,8 +60,9 @@ template <int64_t kSpan, typename scalar_t>
 // partial sums (partial_dot), which dot() reduces and completes with the remaining features. prefetch: a
 // contiguous row to prefetch the same features of as x is read (prefetch_span), or null.
 template <bool kCentred, typename scalar_t>
-[[gnu::always_inline]] inline Vec<acc_t<scalar_t>> partial_dot(const scalar_t* x, const acc_t<scalar_t>* m, const acc_t<scalar_t>* y,
-                                        int64_t n, const scalar_t* prefetch = nullptr) {
+[[gnu::always_inline]] inline Vec<acc_t<scalar_t>> partial_dot(const scalar_t* x, const acc_t<scalar_t>* m,
+                                                                const acc_t<scalar_t>* y, int64_t n,
+                                                                const scalar_t* prefetch = nullptr) {
   using V = Vec<acc_t<scalar_t>>;
   constexpr int64_t W = V::size();
   const auto load = [&](int64_t i) {
@@ -147,7 +148,7 @@ inline float sum_lanes_as_each(const Vec<float>& v) {
 
 // partial_dot<false> of a bfloat16 row and a query in pair order (n a multiple of kPairBlock).
 [[gnu::always_inline]] inline Vec<float> partial_dot_pairs(const c10::BFloat16* x, const float* q, int64_t n,
-                                    const c10::BFloat16* prefetch) {
+                                                           const c10::BFloat16* prefetch) {
   using V = Vec<float>;
   constexpr int64_t kHalf = kPairBlock / 2;
   V s[4] = {V(0), V(0), V(0), V(0)};
@@ -285,6 +286,7 @@ struct SoftmaxReducer {
   int64_t seq_len;
   acc* group_scores;        // [kRowGroup * heads]: scratch
   int64_t chunk_rows = 0;
+  double unscale = 1.0;     // weighted_total * unscale is the weighted sum (resum_if_overflowed)
 
   void init(const scalar_t* row, int64_t stride, int64_t n, int64_t l) {
     std::fill_n(weighted, n, acc(0));
@@ -381,14 +383,19 @@ struct SoftmaxReducer {
 
   // After fold(): where a weighted sum or total is not finite, the chunk again, its weights exp(score - max)
   // taken against the chunk's final maximum and its sums straight in float64. Float32 runs of rows near float32's
-  // maximum, which bfloat16 shares, overflow though their weighted mean is finite; in float64 they cannot. Only such
-  // rows, or inputs that are inf or NaN (which stay so), take this second read.
+  // maximum, which bfloat16 shares, overflow though their weighted mean is finite; in float64 they cannot. Float64
+  // rows near float64's maximum are added scaled by 2^-10 (exactly, but for subnormal values), which keeps a
+  // chunk's kChunkRows rows finite, and unscale carries the factor back (applied after the division by the total).
+  // Only such rows, or inputs that are inf or NaN (which stay so), take this second read.
   void resum_if_overflowed(const scalar_t* block, int64_t stride_l, int64_t stride_d, const ChunkRows& chunk) {
     const int64_t n = heads * head_dim;
     const auto finite = [](double t) { return std::isfinite(t); };
     if (std::all_of(weighted_total, weighted_total + n, finite) && std::all_of(total_sum, total_sum + heads, finite)) {
       return;
     }
+    static_assert(kChunkRows <= 1024, "a shrunk chunk's sums must stay finite");
+    const double shrink = std::is_same_v<acc, double> ? 0x1p-10 : 1.0;
+    unscale = 1.0 / shrink;
     std::fill_n(weighted_total, n, 0.0);
     std::fill_n(total_sum, heads, 0.0);
     std::vector<acc> row_score(heads);
@@ -399,7 +406,7 @@ struct SoftmaxReducer {
         const double p = exp_acc(row_score[h] - running_max[h]);
         total_sum[h] += p;
         for (int64_t j = h * head_dim; j < (h + 1) * head_dim; ++j) {
-          weighted_total[pairs ? pair_index(j) : j] += p * static_cast<double>(row[j * stride_d]);
+          weighted_total[pairs ? pair_index(j) : j] += p * (static_cast<double>(row[j * stride_d]) * shrink);
         }
       }
     });
@@ -547,11 +554,11 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
   const int64_t weights_batch = rows.packed() ? 0 : heads * seq_len;
   const ScoreQuery<scalar_t> query_in_order(q, dim, sd, head_dim);
   const bool pairs = query_in_order.pairs;
-  // Text b's results for head hh from its softmax state over all its rows (max score, total, weighted sum of its
+  // Text b's results for head hh from its softmax state over all its rows (max score, total, weighted mean of its
   // slice): the output, the statistics and, when asked, the probabilities of its rows.
-  const auto finish_head = [&](int64_t b, int64_t hh, acc best, double total, const double* weighted) {
+  const auto finish_head = [&](int64_t b, int64_t hh, acc best, double total, const double* mean) {
     for (int64_t i = 0; i < head_dim; ++i) {
-      o[b * dim + hh * head_dim + i] = static_cast<scalar_t>(weighted[i] / total);
+      o[b * dim + hh * head_dim + i] = static_cast<scalar_t>(mean[i]);
     }
     double* text_stats = all_stats + (b * heads + hh) * 2;
     text_stats[0] = best;
@@ -564,11 +571,19 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
       }
     }
   };
-  // The softmax state of each chunk of the texts with several (running max, total, weighted sum), merged per text
-  // below in chunk order. A text of one chunk is finished by its chunk's task.
+  // The softmax state of each chunk of the texts with several (running max, total, weighted mean), merged per text
+  // below in chunk order. A text of one chunk is finished by its chunk's task. Means rather than weighted sums: each
+  // is at most the largest value, and so is every partial sum of them weighted by shares of the text's total, so
+  // float64 rows near float64's maximum merge to a finite result wherever it is finite.
   const int64_t parts = chunks > 1 ? batch * chunks : 0;
   std::vector<acc> part_max(parts * heads);
   std::vector<double> part_sum(parts * heads), part_out(parts * dim);
+  // A chunk's weighted mean per head of its block, in natural order, into dst [n].
+  const auto chunk_mean = [&](const SoftmaxReducer<scalar_t>& reducer, double* dst) {
+    for (int64_t j = 0; j < reducer.heads * head_dim; ++j) {
+      dst[j] = reducer.weighted_total[pairs ? pair_index(j) : j] / reducer.total_sum[j / head_dim] * reducer.unscale;
+    }
+  };
   const int64_t unit = head_block_unit(heads, head_dim, batch * chunks);  // a bound above the chunk count
   for_each_chunk(list, batch, dim, unit, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n,
                                              const ChunkRows& chunk_rows) {
@@ -600,23 +615,16 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
         std::fill_n(o + b * dim + d0, n, scalar_t(0));
         return;
       }
-      std::vector<double> in_order(pairs ? n : 0);
-      if (pairs) {
-        from_pair_order(reducer.weighted_total, in_order.data(), n);
-      }
-      const double* weighted = pairs ? in_order.data() : reducer.weighted_total;
+      std::vector<double> mean(n);
+      chunk_mean(reducer, mean.data());
       for (int64_t k = 0; k < block_heads; ++k) {
-        finish_head(b, h0 + k, reducer.running_max[k], reducer.total_sum[k], weighted + k * head_dim);
+        finish_head(b, h0 + k, reducer.running_max[k], reducer.total_sum[k], mean.data() + k * head_dim);
       }
     } else if (count > 0) {
       const int64_t part = b * chunks + chunk;
       std::copy_n(reducer.running_max, block_heads, part_max.data() + part * heads + h0);
       std::copy_n(reducer.total_sum, block_heads, part_sum.data() + part * heads + h0);
-      if (pairs) {
-        from_pair_order(reducer.weighted_total, part_out.data() + part * dim + d0, n);
-      } else {
-        std::copy_n(reducer.weighted_total, n, part_out.data() + part * dim + d0);
-      }
+      chunk_mean(reducer, part_out.data() + part * dim + d0);
     }
   });
   // Per text of several chunks and block of heads: the chunks merged in order (in float64), then finished.
@@ -628,15 +636,21 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
       for (int64_t c = 0; c < used; ++c) {
         best = std::max(best, part_max[(b * chunks + c) * heads + hh]);
       }
-      std::fill(weighted.begin(), weighted.end(), 0.0);
-      double total = 0;
-      for (int64_t c = 0; c < used; ++c) {
+      // The text's total first, then each chunk's mean weighted by its share of it.
+      const auto rescaled_sum = [&](int64_t c) {
         const int64_t part = b * chunks + c;
         const acc m = part_max[part * heads + hh];
-        const double factor = m == best ? 1.0 : static_cast<double>(exp_acc(m - best));
-        total += part_sum[part * heads + hh] * factor;
+        return part_sum[part * heads + hh] * (m == best ? 1.0 : static_cast<double>(exp_acc(m - best)));
+      };
+      double total = 0;
+      for (int64_t c = 0; c < used; ++c) {
+        total += rescaled_sum(c);
+      }
+      std::fill(weighted.begin(), weighted.end(), 0.0);
+      for (int64_t c = 0; c < used; ++c) {
+        const double share = rescaled_sum(c) / total;
         for (int64_t i = 0; i < head_dim; ++i) {
-          weighted[i] += part_out[part * dim + hh * head_dim + i] * factor;
+          weighted[i] += part_out[(b * chunks + c) * dim + hh * head_dim + i] * share;
         }
       }
       finish_head(b, hh, best, total, weighted.data());

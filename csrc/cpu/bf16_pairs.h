@@ -69,12 +69,4 @@ inline void to_pair_order(const T* src, T* dst, int64_t n) {
   }
 }
 
-// dst (natural order) = src (pair order), n values.
-template <typename T>
-inline void from_pair_order(const T* src, T* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    dst[i] = src[pair_index(i)];
-  }
-}
-
 }  // namespace lmk_ops::cpu::CPU_CAPABILITY

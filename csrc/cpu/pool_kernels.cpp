@@ -42,6 +42,7 @@ struct SumReducer {
   using V = Vec<acc>;
   alignas(64) acc sum[kMaxBlock];
   alignas(64) double total[kMaxBlock];
+  double unscale = 1.0;  // total * unscale is the sum (resum_if_overflowed)
   int64_t n = 0;
   int run = 0;
 
@@ -102,15 +103,20 @@ struct SumReducer {
 
   // After finish(): where a total is not finite, the chunk's rows summed again, straight in float64. A float32 run
   // overflows on values near float32's maximum, which bfloat16 shares, though their mean is finite; in float64 it
-  // cannot. Only such values, or inputs that are inf or NaN (which stay so), take this second read.
+  // cannot. Float64 rows near float64's maximum are summed scaled by 2^-10 (exactly, but for subnormal values),
+  // which keeps a chunk's kChunkRows rows finite, and unscale carries the factor back: the caller divides by the
+  // row count before unscaling. Only such values, or inputs that are inf or NaN (which stay so), take this read.
   void resum_if_overflowed(const scalar_t* block, int64_t stride_l, int64_t stride_d, const ChunkRows& chunk) {
     if (std::all_of(total, total + n, [](double t) { return std::isfinite(t); })) {
       return;
     }
+    static_assert(kChunkRows <= 1024, "a shrunk chunk's sums must stay finite");
+    const double shrink = std::is_same_v<acc, double> ? 0x1p-10 : 1.0;
+    unscale = 1.0 / shrink;
     std::fill_n(total, n, 0.0);
     chunk.each([&](int64_t l) {
       for (int64_t i = 0; i < n; ++i) {
-        total[i] += static_cast<double>(block[l * stride_l + i * stride_d]);
+        total[i] += static_cast<double>(block[l * stride_l + i * stride_d]) * shrink;
       }
     });
   }
@@ -309,19 +315,29 @@ void mean_forward_typed(const Tensor& hidden, const RowSelection& rows, Tensor& 
   const RowListing listing = list_rows(rows, batch, hidden.size(1));
   const RowList& list = listing.view;
   const int64_t chunks = chunks_for(list.upper());
-  // The chunk sums of texts with several chunks, combined in chunk order.
+  // The chunks' shares of the mean (chunk sum / the text's row count) of texts with several chunks, added in chunk
+  // order. Shares rather than sums: each is at most the largest value, and so is every partial sum of them, so
+  // float64 rows near float64's maximum give a finite mean wherever it is finite.
   std::vector<double> partial(chunks > 1 ? batch * chunks * dim : 0);
   out_t* o = out.mutable_data_ptr<out_t>();
   pool_forward<scalar_t, SumReducer<scalar_t>>(
       hidden, list,
       [&](int64_t b, int64_t chunk, int64_t d0, int64_t n, const SumReducer<scalar_t>& r, int64_t count) {
+        if (count == 0) {
+          std::fill_n(o + b * dim + d0, n, out_t(0));
+          return;
+        }
+        const auto share = [&](int64_t i) { return r.total[i] / static_cast<double>(count) * r.unscale; };
         if (count <= kChunkRows) {  // the only chunk: finish here
           out_t* dst = o + b * dim + d0;
           for (int64_t i = 0; i < n; ++i) {
-            dst[i] = count == 0 ? out_t(0) : static_cast<out_t>(r.total[i] / static_cast<double>(count));
+            dst[i] = static_cast<out_t>(share(i));
           }
         } else {
-          std::copy_n(r.total, n, partial.data() + (b * chunks + chunk) * dim + d0);
+          double* dst = partial.data() + (b * chunks + chunk) * dim + d0;
+          for (int64_t i = 0; i < n; ++i) {
+            dst[i] = share(i);
+          }
         }
       },
       [&](int64_t b, int64_t d0, int64_t n, int64_t count) {
@@ -334,7 +350,7 @@ void mean_forward_typed(const Tensor& hidden, const RowSelection& rows, Tensor& 
         }
         out_t* dst = o + b * dim + d0;
         for (int64_t i = 0; i < n; ++i) {
-          dst[i] = static_cast<out_t>(total[i] / static_cast<double>(count));
+          dst[i] = static_cast<out_t>(total[i]);
         }
       });
 }

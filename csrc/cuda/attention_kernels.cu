@@ -385,7 +385,8 @@ __global__ void __launch_bounds__(kThreads)
       if (n <= kChunkRows) {  // the only chunk: finish here
         out[b * dim + feature + i] = n == 0 ? scalar_t(0) : static_cast<scalar_t>(weighted[p][i] / total / shrink);
       } else {
-        part_out[part * dim + feature + i] = static_cast<double>(weighted[p][i]) / static_cast<double>(shrink);
+        part_out[part * dim + feature + i] =  // the chunk's weighted mean (see attention_combine)
+            static_cast<double>(weighted[p][i]) / static_cast<double>(total) / static_cast<double>(shrink);
       }
     }
   }
@@ -400,7 +401,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Finishes the texts with more than one chunk: the chunks' (max, total, weighted sum), merged in chunk order.
+// Finishes the texts with more than one chunk: the chunks' (max, total, weighted mean), merged in chunk order, each
+// mean weighted by its chunk's share of the text's total. Means rather than weighted sums: each is at most the
+// largest value, and so is every partial sum of them, so float64 rows near float64's maximum merge to a finite
+// result wherever it is finite.
 template <typename scalar_t>
 __global__ void attention_combine(const acc_t<scalar_t>* part_max, const acc_t<scalar_t>* part_sum,
                                   const double* part_out, SelectedRows rows, int64_t batch, int64_t heads,
@@ -421,15 +425,19 @@ __global__ void attention_combine(const acc_t<scalar_t>* part_max, const acc_t<s
     best = m > best ? m : best;
   }
   // Summed in float64, so the error does not grow with the number of chunks.
-  double total = 0, weighted = 0;
-  for (int64_t c = 0; c < used; ++c) {
-    const int64_t part = b * chunks + c;
+  const auto rescaled_sum = [&](int64_t part) {
     const acc m = part_max[part * heads + h];
     const acc factor = m == best ? acc(1) : (m == -std::numeric_limits<acc>::infinity() ? acc(0) : device_exp(m - best));
-    total += static_cast<double>(part_sum[part * heads + h] * factor);
-    weighted += part_out[part * dim + d] * static_cast<double>(factor);
+    return static_cast<double>(part_sum[part * heads + h] * factor);
+  };
+  double total = 0, weighted = 0;
+  for (int64_t c = 0; c < used; ++c) {
+    total += rescaled_sum(b * chunks + c);
   }
-  out[i] = static_cast<scalar_t>(weighted / total);
+  for (int64_t c = 0; c < used; ++c) {
+    weighted += part_out[(b * chunks + c) * dim + d] * (rescaled_sum(b * chunks + c) / total);
+  }
+  out[i] = static_cast<scalar_t>(weighted);
   if (d % head_dim == 0) {
     stats[(b * heads + h) * 2] = best;
     stats[(b * heads + h) * 2 + 1] = total;
@@ -755,7 +763,7 @@ void forward_typed(const Tensor& hidden_in, const AttentionRows& rows, const Ten
   if (chunks > 1) {
     part_max = empty_on(hidden, {batch, chunks, heads}, wide);
     part_sum = empty_on(hidden, {batch, chunks, heads}, wide);
-    part_out = empty_on(hidden, {batch, chunks, dim}, ScalarType::Double);  // as summed: near acc's maximum
+    part_out = empty_on(hidden, {batch, chunks, dim}, ScalarType::Double);  // near acc's maximum: see attention_combine
   }
   const auto data = [](Tensor& t) { return t.defined() ? t.mutable_data_ptr<acc>() : nullptr; };
   double* chunk_out = part_out.defined() ? part_out.mutable_data_ptr<double>() : nullptr;
@@ -798,7 +806,8 @@ void backward_typed(const Tensor& grad, const Tensor& grad_weights, const Tensor
   Tensor part_pe = empty_on(hidden, {batch, chunks, heads}, ScalarType::Double);
   Tensor part_pex = empty_on(hidden, {batch, chunks, dim}, ScalarType::Double);
   Tensor part_px = empty_on(hidden, {batch, chunks, dim}, ScalarType::Double);
-  Tensor text_sums = empty_on(hidden, {batch, heads}, ScalarType::Double), query_shares = empty_on(hidden, {batch, dim}, wide);
+  Tensor text_sums = empty_on(hidden, {batch, heads}, ScalarType::Double);
+  Tensor query_shares = empty_on(hidden, {batch, dim}, wide);
   const acc wide_scale = static_cast<acc>(scale);
   with_head_layout<scalar_t>(layout, [&]<int VEC, int P>() {
     const size_t shared = layout.row_lanes > 1 ? size_t{kThreads} * (2 * P * VEC + 1) * sizeof(acc) : 0;

@@ -68,38 +68,60 @@ __global__ void __launch_bounds__(kThreads)
 
   value_acc value[VEC];
   int64_t where[VEC];
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) {
-    value[i] = value_acc(0);
-    where[i] = -1;
-  }
   const scalar_t* text = hidden + b * sb;
-  for (int64_t first = begin + threadIdx.y; first < end; first += int64_t{row_lanes} * kRowsInFlight) {
-    acc x[kRowsInFlight][VEC];
-    int64_t at[kRowsInFlight];
+  // One pass over this lane's rows of the chunk; a mean's values are added multiplied by shrink.
+  const auto reduce_chunk = [&](value_acc shrink) {
 #pragma unroll
-    for (int r = 0; r < kRowsInFlight; ++r) {
-      const int64_t j = first + int64_t{r} * row_lanes;
-      at[r] = j < end ? rows.row(b, j) : -1;
-      if (active && at[r] >= 0) {
-        load_features<VEC>(text + at[r] * sl, v, sd, x[r]);
-      }
+    for (int i = 0; i < VEC; ++i) {
+      value[i] = value_acc(0);
+      where[i] = -1;
     }
+    for (int64_t first = begin + threadIdx.y; first < end; first += int64_t{row_lanes} * kRowsInFlight) {
+      acc x[kRowsInFlight][VEC];
+      int64_t at[kRowsInFlight];
 #pragma unroll
-    for (int r = 0; r < kRowsInFlight; ++r) {
-      if (active && at[r] >= 0) {
+      for (int r = 0; r < kRowsInFlight; ++r) {
+        const int64_t j = first + int64_t{r} * row_lanes;
+        at[r] = j < end ? rows.row(b, j) : -1;
+        if (active && at[r] >= 0) {
+          load_features<VEC>(text + at[r] * sl, v, sd, x[r]);
+        }
+      }
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          if constexpr (kMax) {
-            if (takes_over(x[r][i], at[r], value[i], where[i])) {
-              value[i] = x[r][i];
-              where[i] = at[r];
+      for (int r = 0; r < kRowsInFlight; ++r) {
+        if (active && at[r] >= 0) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            if constexpr (kMax) {
+              if (takes_over(x[r][i], at[r], value[i], where[i])) {
+                value[i] = x[r][i];
+                where[i] = at[r];
+              }
+            } else {
+              value[i] += x[r][i] * shrink;
             }
-          } else {
-            value[i] += x[r][i];
           }
         }
       }
+    }
+  };
+  value_acc shrink = value_acc(1);
+  reduce_chunk(shrink);
+  if constexpr (!kMax && std::is_same_v<value_acc, double> && std::is_same_v<scalar_t, double>) {
+    // Float64 rows near float64's maximum overflow a sum whose mean is finite (other rows are summed in a wider
+    // type than theirs). A chunk where a lane's sum passes max / 256 (or is not finite) is summed again with its
+    // values scaled by 2^-8, exactly (but for subnormal values): a chunk's kChunkRows rows, and the merge of the
+    // row lanes, then stay below max / 2. The factor comes back after the division by the row count.
+    static_assert(kChunkRows <= 128, "a shrunk chunk's sums must stay finite");
+    constexpr double kNearOverflow = std::numeric_limits<double>::max() / 256;
+    bool near_overflow = false;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      near_overflow |= !(value[i] >= -kNearOverflow && value[i] <= kNearOverflow);  // a NaN too
+    }
+    if (__syncthreads_or(near_overflow)) {  // the whole block takes the same branch
+      shrink = 0x1p-8;
+      reduce_chunk(shrink);
     }
   }
 
@@ -146,18 +168,21 @@ __global__ void __launch_bounds__(kThreads)
         out[b * dim + d] = n == 0 ? out_t(0) : static_cast<out_t>(value[i]);
         argmax[b * dim + d] = n == 0 ? -1 : static_cast<int32_t>(where[i]);
       } else {
-        out[b * dim + d] = n == 0 ? out_t(0) : static_cast<out_t>(value[i] / static_cast<value_acc>(n));
+        out[b * dim + d] = n == 0 ? out_t(0) : static_cast<out_t>(value[i] / static_cast<value_acc>(n) / shrink);
       }
-    } else {
+    } else if constexpr (kMax) {
       partial[(b * chunks + chunk) * dim + d] = value[i];
-      if constexpr (kMax) {
-        partial_where[(b * chunks + chunk) * dim + d] = static_cast<int32_t>(where[i]);
-      }
+      partial_where[(b * chunks + chunk) * dim + d] = static_cast<int32_t>(where[i]);
+    } else {  // the chunk's share of the text's mean (see combine_chunks)
+      partial[(b * chunks + chunk) * dim + d] =
+          static_cast<double>(value[i]) / static_cast<double>(n) / static_cast<double>(shrink);
     }
   }
 }
 
-// Finishes the texts with more than one chunk: their partial results, taken in chunk order.
+// Finishes the texts with more than one chunk: their partial results, taken in chunk order. A mean's partials are
+// the chunks' shares of it (chunk sum / the text's row count): each is at most the largest value, and so is every
+// partial sum of them, so float64 rows near float64's maximum give a finite mean wherever it is finite.
 template <bool kMax, typename scalar_t, typename out_t>
 __global__ void combine_chunks(const partial_t<kMax, scalar_t>* partial, const int32_t* partial_where,
                                SelectedRows rows, int64_t batch, int64_t dim, int64_t chunks, out_t* out,
@@ -189,7 +214,7 @@ __global__ void combine_chunks(const partial_t<kMax, scalar_t>* partial, const i
     out[i] = static_cast<out_t>(value);
     argmax[i] = static_cast<int32_t>(where);
   } else {
-    out[i] = static_cast<out_t>(value / static_cast<acc>(n));
+    out[i] = static_cast<out_t>(value);
   }
 }
 

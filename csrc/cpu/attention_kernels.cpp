@@ -169,6 +169,22 @@ inline float sum_lanes_as_each(const Vec<float>& v) {
   return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
+// row_scores' second form: each score out[h] that is not finite again in float64, scaled, then rounded. Out of
+// line: it runs only for rows near float32's maximum (or inf or NaN).
+template <typename scalar_t>
+[[gnu::noinline]] void rescore_in_float64(const scalar_t* x, int64_t stride, const float* q, int64_t heads,
+                                          int64_t head_dim, float scale, bool pairs, float* out) {
+  for (int64_t h = 0; h < heads; ++h) {
+    if (!(std::abs(out[h]) <= std::numeric_limits<float>::max())) {
+      double wide = 0;
+      for (int64_t i = h * head_dim; i < (h + 1) * head_dim; ++i) {
+        wide += static_cast<double>(x[i * stride]) * static_cast<double>(q[pairs ? pair_index(i) : i]);
+      }
+      out[h] = static_cast<float>(wide * static_cast<double>(scale));
+    }
+  }
+}
+
 // Heads up to this wide are narrow: row_scores reduces them a vector's width at a time, and head_block_unit keeps
 // that many in one feature block.
 constexpr int64_t kNarrowHeadDim = 256;
@@ -185,6 +201,8 @@ inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>*
                        const scalar_t* prefetch_row = nullptr) {
   const auto prefetch_head = [&](int64_t h) { return prefetch_row != nullptr ? prefetch_row + h * head_dim : nullptr; };
   int64_t h = 0;
+  bool overflowed = false;  // a score not finite (see the end); out[0, checked) are checked already
+  int64_t checked = 0;
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<acc_t<scalar_t>, float>) {
     constexpr int64_t kLanes = Vec<float>::size();
@@ -202,20 +220,26 @@ inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>*
         return partial_dot<false>(xh, nullptr, qh, width, prefetch_head(head));
       };
       const auto whole_vectors_of_heads = [&](auto width) {  // unrolled, the partials in registers
+        const Vec<float>::Native top = Vec<float>(std::numeric_limits<float>::max()).v;
+        decltype(top <= top) finite = top <= top;  // all lanes set
         for (; h + kLanes <= heads; h += kLanes) {
           Vec<float> partials[kLanes];
 #pragma GCC unroll 16
           for (int64_t j = 0; j < kLanes; ++j) {
             partials[j] = partial(h + j, width);
           }
-          (sum_lanes_each(partials) * Vec<float>(scale)).store(out + h);
+          const Vec<float> scores = sum_lanes_each(partials) * Vec<float>(scale);
+          scores.store(out + h);
+          finite &= (scores.v <= top) & (scores.v >= -top);  // not inf or NaN
         }
+        overflowed = any_lane(~finite);
       };
       if (head_dim == 64) {
         whole_vectors_of_heads(std::integral_constant<int64_t, 64>());
       } else {
         whole_vectors_of_heads(head_dim);
       }
+      checked = h;
       const int64_t count = heads - h;
       if (count > kLanes / 2) {  // many heads left: the shared transpose, padded with zeros
         Vec<float> partials[kLanes];
@@ -239,18 +263,11 @@ inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>*
     // Rows near float32's maximum overflow the unscaled dot product though the scaled score may be finite: such a
     // score again in float64 (where it cannot overflow), scaled, then rounded. A finite score never takes this path,
     // so the forward and the backward decide alike.
-    bool overflowed = false;
-    for (h = 0; h < heads; ++h) {
-      overflowed |= !(std::abs(out[h]) <= std::numeric_limits<float>::max());
+    for (int64_t j = checked; j < heads; ++j) {
+      overflowed |= !(std::abs(out[j]) <= std::numeric_limits<float>::max());
     }
-    for (h = 0; overflowed && h < heads; ++h) {
-      if (!(std::abs(out[h]) <= std::numeric_limits<float>::max())) {
-        double wide = 0;
-        for (int64_t i = h * head_dim; i < (h + 1) * head_dim; ++i) {
-          wide += static_cast<double>(x[i * stride]) * static_cast<double>(q[pairs ? pair_index(i) : i]);
-        }
-        out[h] = static_cast<float>(wide * static_cast<double>(scale));
-      }
+    if (overflowed) {
+      rescore_in_float64(x, stride, q, heads, head_dim, scale, pairs, out);
     }
   }
 }
@@ -580,8 +597,11 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
   std::vector<double> part_sum(parts * heads), part_out(parts * dim);
   // A chunk's weighted mean per head of its block, in natural order, into dst [n].
   const auto chunk_mean = [&](const SoftmaxReducer<scalar_t>& reducer, double* dst) {
-    for (int64_t j = 0; j < reducer.heads * head_dim; ++j) {
-      dst[j] = reducer.weighted_total[pairs ? pair_index(j) : j] / reducer.total_sum[j / head_dim] * reducer.unscale;
+    for (int64_t k = 0; k < reducer.heads; ++k) {
+      const double total = reducer.total_sum[k];
+      for (int64_t j = k * head_dim; j < (k + 1) * head_dim; ++j) {
+        dst[j] = reducer.weighted_total[pairs ? pair_index(j) : j] / total * reducer.unscale;
+      }
     }
   };
   const int64_t unit = head_block_unit(heads, head_dim, batch * chunks);  // a bound above the chunk count

@@ -93,17 +93,25 @@ def test_means_of_values_near_the_dtype_maximum_do_not_overflow(device, dtype, v
     assert torch.allclose(lmk_ops.mean_pool(hidden, normalize=True).cpu().double(), unit, rtol=rtol)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("heads", [1, 4])
-@pytest.mark.parametrize("length", [100, 1500])  # one chunk (finished in place), several (merged)
-def test_attention_over_values_near_the_float32_maximum_does_not_overflow(device, dtype, heads, length):
+def _rows_near_the_float32_maximum(dtype, heads, length):
+    """Two texts of rows at 0.9 * float32's maximum (the second with five features of alternating sign and 54
+    random ones), a float32 query of ~1e-38 (scores of order one), and the generator, for more draws."""
     gen = torch.Generator().manual_seed(heads)
     big = torch.tensor(0.9 * torch.finfo(torch.float32).max).to(dtype).item()
     hidden = torch.full((2, length, 64), big, dtype=dtype)
     hidden[1, ::2, :5] *= -1
     hidden[1, :, 10:] = torch.randn(length, 54, generator=gen).to(dtype)
-    query = (torch.randn(64, generator=gen) * 1e-38).to(dtype).reshape(heads, -1).squeeze(0)
+    query = (torch.randn(64, generator=gen) * 1e-38).reshape(heads, -1).squeeze(0)
+    return hidden, query, gen
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads", [1, 4])
+@pytest.mark.parametrize("length", [100, 1500])  # one chunk (finished in place), several (merged)
+def test_attention_over_values_near_the_float32_maximum_does_not_overflow(device, dtype, heads, length):
+    hidden, query, _ = _rows_near_the_float32_maximum(dtype, heads, length)
+    query = query.to(dtype)
     out, weights = lmk_ops.attention_pool(hidden.to(device), None, query.to(device), return_weights=True)
     exact, exact_weights = reference.attention_pool(hidden.double(), None, query.double(), return_weights=True)
     assert out.isfinite().all()
@@ -168,12 +176,7 @@ def test_attention_gradient_over_values_near_the_float32_maximum(device, dtype, 
     # Rows of +-0.9 * max: x - m reaches 1.8 * max, past float32's range, though the gradient of hidden is tiny.
     # The query's gradient grows with |x|^2: past float32's range in some features (inf, as the exact value
     # rounds), small in others.
-    gen = torch.Generator().manual_seed(heads)
-    big = torch.tensor(0.9 * torch.finfo(torch.float32).max).to(dtype).item()
-    hidden = torch.full((2, length, 64), big, dtype=dtype)
-    hidden[1, ::2, :5] *= -1
-    hidden[1, :, 10:] = torch.randn(length, 54, generator=gen).to(dtype)
-    query = (torch.randn(64, generator=gen) * 1e-38).reshape(heads, -1).squeeze(0)
+    hidden, query, gen = _rows_near_the_float32_maximum(dtype, heads, length)
     grad = (torch.randn(2, 64, generator=gen) * 1e-30).to(dtype)
     h, q = hidden.to(device).requires_grad_(), query.to(device).requires_grad_()
     grad_h, grad_q = torch.autograd.grad(lmk_ops.attention_pool(h, None, q), (h, q), grad.to(device))

@@ -78,8 +78,11 @@ std::tuple<Tensor, Tensor> finish_pooled(const Tensor& pooled, ScalarType dtype,
   const Tensor scaled = div(wide64, scale);
   const Tensor scaled_norm = aten("aten::sqrt", "", torch::stable::sum(mul(scaled, scaled), std::vector<int64_t>{1},
                                                                        /*keepdim=*/true));
-  // row / max(norm, eps) = scaled / (max(norm, eps) / scale)
-  return {div(scaled, div(clamp_min(mul(scaled_norm, scale), kNormEps), scale)), wide};
+  // row / max(norm, eps): scaled / scaled_norm above eps, where the norm itself may pass float64's range (it is
+  // only compared, as inf if so), and row / eps below it.
+  const Tensor norm = mul(scaled_norm, scale);
+  const Tensor eps = full_on(norm, {}, kNormEps, ScalarType::Double);
+  return {where(ge(norm, eps), div(scaled, scaled_norm), div(wide64, eps)), wide};
 }
 
 std::tuple<Tensor, Tensor> mean_of_rows(const Tensor& hidden, const RowSelection& rows, bool normalize) {

@@ -43,13 +43,17 @@ def _type_name(value) -> str:
     return "None" if value is None else type(value).__name__
 
 
-def check_call(op: str, hidden, **others) -> None:
+def check_call(op: str, hidden, *, max_seqlen=None, **others) -> None:
     """What the public functions check before calling an op, where the dispatcher would fail unclearly or silently:
     hidden that is not a dense strided tensor, other tensor arguments (by name; query and landmarks required, the
-    rest optional) that are not tensors, and differentiation modes the ops do not support (forward mode, and
-    torch.func's grad transforms, which need functorch-aware autograd). torch.vmap works, and so does reverse mode."""
+    rest optional) that are not tensors, a max_seqlen that is not an int >= 0, and differentiation modes the ops do
+    not support (forward mode, and torch.func's grad transforms, which need functorch-aware autograd). torch.vmap
+    works, and so does reverse mode."""
     if not isinstance(hidden, torch.Tensor):
         fail(op, f"expected hidden to be a tensor [B, L, D], got {_type_name(hidden)}")
+    if max_seqlen is not None and not isinstance(max_seqlen, torch.SymInt) and (
+            isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 0):
+        fail(op, f"expected max_seqlen as an int >= 0 (or None), got {max_seqlen!r}")
     for name, value in others.items():
         required = name in ("query", "landmarks")
         if not isinstance(value, torch.Tensor) and (required or value is not None):

@@ -48,7 +48,7 @@ def mean_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = F
         RuntimeError: starting ``lmk_ops.mean_pool:`` for hidden that is not 3-D floating point, a mask of
         another shape, device or dtype (float), or mask values other than 0/1.
     """
-    check_call("mean_pool", hidden, mask=mask, cu_seqlens=cu_seqlens)
+    check_call("mean_pool", hidden, mask=mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     return _call(torch.ops.lmk_ops.mean_pool, hidden, mask, normalize, cu_seqlens, max_seqlen)[0]
 
 
@@ -72,7 +72,7 @@ def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = Fa
     Raises:
         RuntimeError: starting ``lmk_ops.max_pool:``, as for :func:`mean_pool`.
     """
-    check_call("max_pool", hidden, mask=mask, cu_seqlens=cu_seqlens)
+    check_call("max_pool", hidden, mask=mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     values, argmax, _ = _call(torch.ops.lmk_ops.max_pool, hidden, mask, normalize, cu_seqlens, max_seqlen)
     return (values, argmax) if return_indices else values
 
@@ -104,7 +104,7 @@ def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False,
         device, or a position outside ``[0, L)`` other than -1 (the message names the row and the entry; nothing
         outside hidden is ever read).
     """
-    check_call("landmark_mean", hidden, landmarks=landmarks, cu_seqlens=cu_seqlens)
+    check_call("landmark_mean", hidden, landmarks=landmarks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     return _call(torch.ops.lmk_ops.landmark_mean, hidden, landmarks, normalize, cu_seqlens, max_seqlen)[0]
 
 
@@ -196,7 +196,7 @@ def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | N
         RuntimeError: starting ``lmk_ops.landmark_gather:``, as for :func:`landmark_mean`.
     """
     op = "landmark_gather"
-    check_call(op, hidden, landmarks=landmarks, cu_seqlens=cu_seqlens)
+    check_call(op, hidden, landmarks=landmarks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     if cu_seqlens is not None:
         batch = check_packed(op, hidden, cu_seqlens)
         if isinstance(landmarks, Tensor) and landmarks.dtype == torch.bool:
@@ -222,7 +222,7 @@ def first_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: 
     Args and errors as :func:`mean_pool` (packed batches too). Returns ``[B, D]``; a text with no valid token gives
     zeros. The gradient goes to that one token.
     """
-    check_call("first_token_pool", hidden, mask=mask, cu_seqlens=cu_seqlens)
+    check_call("first_token_pool", hidden, mask=mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     return _call(torch.ops.lmk_ops.token_pool, hidden, mask, False, cu_seqlens, max_seqlen)[0]
 
 
@@ -233,7 +233,7 @@ def last_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: T
     Args and errors as :func:`mean_pool` (packed batches too). Returns ``[B, D]``; a text with no valid token gives
     zeros.
     """
-    check_call("last_token_pool", hidden, mask=mask, cu_seqlens=cu_seqlens)
+    check_call("last_token_pool", hidden, mask=mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     return _call(torch.ops.lmk_ops.token_pool, hidden, mask, True, cu_seqlens, max_seqlen)[0]
 
 
@@ -279,7 +279,7 @@ def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale:
         RuntimeError: starting ``lmk_ops.attention_pool:`` for a bad hidden or mask (as :func:`mean_pool`), hidden
         with ``D = 0``, a query of another shape, dtype or device, or a scale that is not finite.
     """
-    check_call("attention_pool", hidden, mask=mask, query=query, cu_seqlens=cu_seqlens)
+    check_call("attention_pool", hidden, mask=mask, query=query, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     check_scale_type("attention_pool", scale)
     out, _, weights = _call(torch.ops.lmk_ops.attention_pool, hidden, mask, query, scale, return_weights, cu_seqlens,
                             max_seqlen)

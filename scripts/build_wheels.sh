@@ -26,7 +26,9 @@ if [ "$which" != cuda ]; then
 fi
 if [ "$which" != cpu ]; then
   source scripts/cuda_env.sh  # sets cuda_py
-  TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0}" "$cuda_py" -m pip wheel -q --no-build-isolation --no-deps \
+  # The CUDA wheel's version carries the local label +cu130 (pyproject.toml), so its file name differs from the CPU
+  # wheel's.
+  LMK_OPS_LOCAL_VERSION=cu130 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0}" "$cuda_py" -m pip wheel -q --no-build-isolation --no-deps \
     -C cmake.define.LMK_OPS_CUDA=ON -C "build-dir=build/cuda-wheel-{wheel_tag}" -w "$tmp/cu130" .
   repair "$tmp/cu130" "$out/cu130"
 fi

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Proves that the CUDA build compiles, packages and imports, on any machine (no GPU needed): builds the CUDA wheel
 # (scripts/build_wheels.sh: against the CUDA build of torch 2.13.0 in a cached environment, kernels for sm_80 and
-# sm_90), checks its manylinux tag and contents, installs it there, checks that every op has a CUDA kernel registered
-# and that the extension references no libtorch/libc10 C++ symbol (tests/test_stable_abi.py). Running the kernels
-# needs a GPU: the test suite does that where one is present.
+# sm_90), checks its manylinux tag, contents and +cu130 version label, installs it there, checks that every op has a
+# CUDA kernel registered and that the extension references no libtorch/libc10 C++ symbol (tests/test_stable_abi.py).
+# Running the kernels needs a GPU: the test suite does that where one is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -24,6 +24,7 @@ import lmk_ops
 
 info = lmk_ops.build_info()
 assert info["cuda"], f"lmk_ops was built without CUDA: {info}"
+assert info["version"].endswith("+cu130"), f"expected the CUDA wheel's version with the local label +cu130: {info}"
 pooling = ["mean_pool", "max_pool", "landmark_mean", "landmark_gather", "attention_pool"]
 ops = [f"{op}{suffix}" for op in pooling for suffix in ("", "_backward")]
 ops += ["token_pool", "valid_mask", "packed_offsets"]

@@ -229,6 +229,14 @@ __device__ __forceinline__ void rescale(acc from, acc to, acc& total, acc (&weig
   }
 }
 
+// rescale() for a compensated sum: weighted and its compensation carry (what its rounding lost) scale alike.
+template <int P, int VEC, typename acc>
+__device__ __forceinline__ void rescale(acc from, acc to, acc& total, acc (&weighted)[P][VEC], acc (&carry)[P][VEC]) {
+  acc no_total = 0;
+  rescale(from, to, no_total, carry);
+  rescale(from, to, total, weighted);
+}
+
 template <typename scalar_t, int VEC, int P>
 __global__ void __launch_bounds__(kThreads)
     attention_chunks(const scalar_t* hidden, int64_t sb, int64_t sl, int64_t sd, SelectedRows rows,
@@ -259,7 +267,11 @@ __global__ void __launch_bounds__(kThreads)
   load_lane_wide(query, me, layout.seg, q);
   const scalar_t* text = hidden + b * sb;
   const int64_t step = int64_t{layout.row_lanes} * R;
-  acc best, total, weighted[P][VEC];
+  // A lane's weighted sums are compensated (Kahan): carry holds what their roundings lost, so that a lane's run of
+  // up to kChunkRows rows (all of a chunk's rows where a head's packs fill the block) stays within about an ulp of its
+  // exact sum; 128 plain float32 additions of a constant lose up to 30 ulp (simulated on the CPU). An overflow makes
+  // the sums NaN, which sends the chunk to the scaled second pass below, as an infinite sum did before.
+  acc best, total, weighted[P][VEC], carry[P][VEC];
   // One pass over the chunk's rows (this lane's share) with an online softmax, the weights scaled by shrink.
   const auto sum_chunk = [&](acc shrink) {
 #pragma unroll
@@ -267,6 +279,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         weighted[p][i] = acc(0);
+        carry[p][i] = acc(0);
       }
     }
     best = kNegInf;
@@ -297,7 +310,7 @@ __global__ void __launch_bounds__(kThreads)
           }
         }
       }
-      rescale(best, top, total, weighted);
+      rescale(best, top, total, weighted, carry);
       best = top;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -309,10 +322,20 @@ __global__ void __launch_bounds__(kThreads)
           for (int k = 0; k < P; ++k) {
 #pragma unroll
             for (int i = 0; i < VEC; ++i) {
-              weighted[k][i] += shrunk * x[r][k][i];
+              const acc term = shrunk * x[r][k][i] - carry[k][i];
+              const acc sum = weighted[k][i] + term;
+              carry[k][i] = (sum - weighted[k][i]) - term;
+              weighted[k][i] = sum;
             }
           }
         }
+      }
+    }
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        weighted[p][i] -= carry[p][i];
       }
     }
   };

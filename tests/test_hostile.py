@@ -158,26 +158,27 @@ def test_attention_scores_whose_dot_product_overflows_before_the_scale(device, d
     assert torch.allclose(grad_q.cpu().double(), exact_q, rtol=1e-2, atol=1e-6)
 
 
-def _centred_attention_grads(hidden, query, grad):
+def _centred_attention_grads(hidden, query, grad, shrink=1.0):
     """The gradients of attention_pool (default scale, no mask) w.r.t. hidden and query, in float64, written
     relative to each text's first row c: p_l (e_l - S) with e_l = <g, x_l - c> and S = sum_l p_l e_l, which no
     choice of c changes. The autograd of the float64 reference forms <g, x_l> and cancels it against its mean,
     which loses everything when |x| is near float32's maximum (its query gradient is off by 1e31 where the exact
     value is 3e6); relative to the output m, m's rounding leaves 1e22 where rows are equal. Also the query
-    gradient's terms summed in magnitude, the scale of its rounding errors."""
+    gradient's terms summed in magnitude, the scale of its rounding errors. x - c is taken as x * shrink - c * shrink
+    (a power of two: exact), the factors taken out after, for rows near float64's maximum."""
     x, q, g = hidden.double(), query.double().reshape(-1, query.shape[-1]), grad.double()
     heads, head_dim = q.shape
     x = x.unflatten(-1, (heads, head_dim))                                # [B, L, H, d]
     g = g.unflatten(-1, (heads, head_dim))                                # [B, H, d]
     scale = head_dim ** -0.5
     p = torch.softmax(scale * torch.einsum("blhd,hd->bhl", x, q), dim=-1)
-    y = x - x[:, :1]
+    y = x * shrink - x[:, :1] * shrink
     e = torch.einsum("bhd,blhd->bhl", g, y)
     total = (p * e).sum(-1, keepdim=True)
-    coef = p * (e - total)                                                # [B, H, L]
-    grad_h = torch.einsum("bhl,bhd->blhd", p, g) + scale * torch.einsum("bhl,hd->blhd", coef, q)
-    grad_q = scale * torch.einsum("bhl,blhd->hd", coef, y)
-    terms = scale * torch.einsum("bhl,blhd->hd", p * (e.abs() + total.abs()), y.abs())
+    coef = p * (e - total)                                                # [B, H, L], times shrink
+    grad_h = torch.einsum("bhl,bhd->blhd", p, g) + scale * torch.einsum("bhl,hd->blhd", coef / shrink, q)
+    grad_q = scale * torch.einsum("bhl,blhd->hd", coef, y) / shrink / shrink
+    terms = scale * torch.einsum("bhl,blhd->hd", p * (e.abs() + total.abs()), y.abs()) / shrink / shrink
     return grad_h.flatten(-2), grad_q.reshape(query.shape), terms.reshape(query.shape)
 
 
@@ -201,6 +202,32 @@ def test_attention_gradient_over_values_near_the_float32_maximum(device, dtype, 
     finite = exact_q.float().isfinite()
     assert finite.any()
     assert ((grad_q.cpu().double() - exact_q)[finite].abs() <= 1e-5 * terms_q[finite]).all()
+
+
+@pytest.mark.parametrize("heads", [1, 4])
+@pytest.mark.parametrize("length", [100, 1500])
+def test_attention_gradient_over_values_near_the_float64_maximum(heads, length):
+    # Float64 rows of +-0.9 * its maximum: x - m passes float64's range, so the CPU sums such a chunk again in the
+    # x87 extended type; the gradient of hidden is finite, the query's inf where its exact value is. The CUDA kernels
+    # still overflow here (as PyTorch's float64 autograd does): CPU only.
+    gen = torch.Generator().manual_seed(heads)
+    hidden = torch.full((2, length, 64), 0.9 * torch.finfo(torch.float64).max, dtype=torch.float64)
+    hidden[1, ::2, :5] *= -1
+    hidden[:, :, 10:] = torch.randn(2, length, 54, generator=gen, dtype=torch.float64)
+    query = (torch.randn(64, generator=gen, dtype=torch.float64) * 1e-308).reshape(heads, -1).squeeze(0)
+    grad = torch.randn(2, 64, generator=gen, dtype=torch.float64) * 1e-300
+    h, q = hidden.clone().requires_grad_(), query.clone().requires_grad_()
+    grad_h, grad_q = torch.autograd.grad(lmk_ops.attention_pool(h, None, q), (h, q), grad)
+    exact_h, exact_q, terms_q = _centred_attention_grads(hidden, query, grad, shrink=2.0 ** -8)
+    assert grad_h.isfinite().all()
+    assert torch.allclose(grad_h, exact_h, rtol=0, atol=1e-12 * exact_h.abs().max().item())
+    assert torch.equal(grad_q.isinf(), exact_q.isinf())
+    # Features 10.. differ from row to row. Features 0-9 of the first text and 5-9 of the second are equal in every
+    # row: there the exact value is 0, and the kernel's, worked relative to the output m, is m's rounding (1 ulp of
+    # 1.6e308) times the error sums times 1 - sum(p), about 1e269: float64 rounding at the scale of |x|^2.
+    finite = exact_q.isfinite() & (torch.arange(64).reshape(query.shape) >= 10)
+    assert finite.any()
+    assert ((grad_q - exact_q)[finite].abs() <= 1e-12 * terms_q[finite]).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -24,7 +24,7 @@
 // over the chunks reads each valid row once and keeps p_l, e_l and the chunk's sums; a second merges the chunks per
 // text (S, the text's share of the query gradient); a third writes every row of grad_hidden,
 // p_l g + scale p_l (e_l - S) q (zeros for the padding), split over rows, without reading hidden again. A chunk
-// whose float32 sums overflow (rows near float32's maximum) is summed again in float64 (redo_wide).
+// whose sums overflow (rows near float32's or float64's maximum) is summed again wider (redo_wide).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -740,13 +740,14 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
   // The scores as the forward computed them (row_scores, the same query order).
   const ScoreQuery<scalar_t> query_in_order(q, dim, sd, head_dim);
   // p and e of every valid row, per head; per chunk the sums of p e (x - m) and p (x - m) per feature and of p e
-  // per head, in float64.
-  // e is kept in float64: near float32's maximum the wide pass below gives e past float32's range, and the row
-  // gradient needs e - S, which may be small.
+  // per head, in `wide`: float64, and for float64 rows the x87 extended type (long double: 64-bit mantissa, 15-bit
+  // exponent). e is kept wide: near the rows' type's maximum the wide pass below gives e past that type's range, and
+  // the row gradient needs e - S, which may be small.
+  using wide = std::conditional_t<std::is_same_v<scalar_t, double>, long double, double>;
   std::vector<acc> prob(row_texts * heads * seq_len);
-  std::vector<double> err(row_texts * heads * seq_len);
-  std::vector<double> part_pex(batch * chunks * dim, 0.0), part_px(batch * chunks * dim, 0.0);
-  std::vector<double> part_pe(batch * chunks * heads, 0.0);
+  std::vector<wide> err(row_texts * heads * seq_len);
+  std::vector<wide> part_pex(batch * chunks * dim, wide(0)), part_px(batch * chunks * dim, wide(0));
+  std::vector<wide> part_pe(batch * chunks * heads, wide(0));
   const int64_t unit = head_block_unit(heads, head_dim, batch * chunks);  // a bound above the chunk count
   for_each_chunk(list, batch, dim, unit, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n,
                                              const ChunkRows& chunk_rows) {
@@ -762,29 +763,30 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
     const acc* gb = g + b * dim + d0;
     const acc* mb = mean + b * dim + d0;
     const double* text_stats = all_stats + (b * heads + h0) * 2;
-    // The chunk again in float64, from the probabilities already kept: where its float32 sums are not finite. Rows
-    // near float32's maximum (which bfloat16 shares) make x - m overflow in float32 though every gradient is finite;
-    // in float64 it cannot. Only such rows, or inputs that are inf or NaN (which stay so), take this second read.
+    // The chunk again in `wide`, from the probabilities already kept: where its sums are not finite. Rows near
+    // float32's maximum (which bfloat16 shares) make x - m overflow in float32 though every gradient of hidden is
+    // finite; in float64 it cannot, and for float64 rows near float64's maximum neither in the extended type. Only
+    // such rows, or inputs that are inf or NaN (which stay so), take this second read.
     const auto redo_wide = [&] {
-      double* pex = part_pex.data() + part * dim + d0;
-      double* px = part_px.data() + part * dim + d0;
-      double* pe = part_pe.data() + part * heads + h0;
-      std::fill_n(pex, n, 0.0);
-      std::fill_n(px, n, 0.0);
-      std::fill_n(pe, block_heads, 0.0);
+      wide* pex = part_pex.data() + part * dim + d0;
+      wide* px = part_px.data() + part * dim + d0;
+      wide* pe = part_pe.data() + part * heads + h0;
+      std::fill_n(pex, n, wide(0));
+      std::fill_n(px, n, wide(0));
+      std::fill_n(pe, block_heads, wide(0));
       chunk_rows.each([&](int64_t l) {
         const scalar_t* row = text + l * sl;
         for (int64_t hh = 0; hh < block_heads; ++hh) {
           const int64_t at = (b * row_batch + h0 + hh) * seq_len + l;
-          double e = gw != nullptr ? static_cast<double>(gw[at]) : 0.0;
+          wide e = gw != nullptr ? static_cast<wide>(gw[at]) : wide(0);
           for (int64_t i = hh * head_dim; i < (hh + 1) * head_dim; ++i) {
-            e += (static_cast<double>(row[i * sd]) - mb[i]) * gb[i];
+            e += (static_cast<wide>(row[i * sd]) - mb[i]) * gb[i];
           }
-          const double p = prob[at];
+          const wide p = prob[at];
           err[at] = e;
           pe[hh] += p * e;
           for (int64_t i = hh * head_dim; i < (hh + 1) * head_dim; ++i) {
-            const double y = static_cast<double>(row[i * sd]) - mb[i];
+            const wide y = static_cast<wide>(row[i * sd]) - mb[i];
             pex[i] += p * e * y;
             px[i] += p * y;
           }
@@ -816,10 +818,10 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
       }
     });
     fold();
-    const auto finite = [](double t) { return std::isfinite(t); };
-    const double* pex = part_pex.data() + part * dim + d0;
-    const double* px = part_px.data() + part * dim + d0;
-    const double* pe = part_pe.data() + part * heads + h0;
+    const auto finite = [](wide t) { return std::isfinite(t); };
+    const wide* pex = part_pex.data() + part * dim + d0;
+    const wide* px = part_px.data() + part * dim + d0;
+    const wide* pe = part_pe.data() + part * heads + h0;
     if (!std::all_of(pex, pex + n, finite) || !std::all_of(px, px + n, finite) ||
         !std::all_of(pe, pe + block_heads, finite)) {
       redo_wide();
@@ -827,19 +829,19 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
   });
   // Per (text, head): S = sum of p e over its chunks in order; each text's share of the query gradient,
   // scale * (sum p e (x - m) - S sum p (x - m)), summed over the texts in order below: no atomics, same bits.
-  std::vector<double> text_sums(batch * heads);
+  std::vector<wide> text_sums(batch * heads);
   std::vector<acc> query_parts(batch * dim);
   torch::stable::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t used = (list.rows(b) + kChunkRows - 1) / kChunkRows;
       for (int64_t hh = 0; hh < heads; ++hh) {
-        double s = 0;
+        wide s = 0;
         for (int64_t c = 0; c < used; ++c) {
           s += part_pe[(b * chunks + c) * heads + hh];
         }
         text_sums[b * heads + hh] = s;
         for (int64_t i = hh * head_dim; i < (hh + 1) * head_dim; ++i) {
-          double pex = 0, px = 0;
+          wide pex = 0, px = 0;
           for (int64_t c = 0; c < used; ++c) {
             pex += part_pex[(b * chunks + c) * dim + i];
             px += part_px[(b * chunks + c) * dim + i];

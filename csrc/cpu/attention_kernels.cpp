@@ -410,8 +410,7 @@ struct SoftmaxReducer {
     if (std::all_of(weighted_total, weighted_total + n, finite) && std::all_of(total_sum, total_sum + heads, finite)) {
       return;
     }
-    static_assert(kChunkRows <= 1024, "a shrunk chunk's sums must stay finite");
-    const double shrink = std::is_same_v<acc, double> ? 0x1p-10 : 1.0;
+    constexpr double shrink = kResumShrink<acc>;
     unscale = 1.0 / shrink;
     std::fill_n(weighted_total, n, 0.0);
     std::fill_n(total_sum, heads, 0.0);
@@ -653,25 +652,24 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
   // Per text of several chunks and block of heads: the chunks merged in order (in float64), then finished.
   for_each_text(list, batch, dim, head_dim, kChunkRows + 1, [&](int64_t b, int64_t d0, int64_t n) {
     const int64_t h0 = d0 / head_dim, used = (list.rows(b) + kChunkRows - 1) / kChunkRows;
-    std::vector<double> weighted(head_dim);
+    std::vector<double> weighted(head_dim), rescaled_sum(used);
     for (int64_t hh = h0; hh < h0 + n / head_dim; ++hh) {
       acc best = -std::numeric_limits<acc>::infinity();
       for (int64_t c = 0; c < used; ++c) {
         best = std::max(best, part_max[(b * chunks + c) * heads + hh]);
       }
-      // The text's total first, then each chunk's mean weighted by its share of it.
-      const auto rescaled_sum = [&](int64_t c) {
-        const int64_t part = b * chunks + c;
-        const acc m = part_max[part * heads + hh];
-        return part_sum[part * heads + hh] * (m == best ? 1.0 : static_cast<double>(exp_acc(m - best)));
-      };
+      // The text's total first (each chunk's sum rescaled to the text's maximum), then each chunk's mean weighted by
+      // its share of it.
       double total = 0;
       for (int64_t c = 0; c < used; ++c) {
-        total += rescaled_sum(c);
+        const int64_t part = b * chunks + c;
+        const acc m = part_max[part * heads + hh];
+        rescaled_sum[c] = part_sum[part * heads + hh] * (m == best ? 1.0 : static_cast<double>(exp_acc(m - best)));
+        total += rescaled_sum[c];
       }
       std::fill(weighted.begin(), weighted.end(), 0.0);
       for (int64_t c = 0; c < used; ++c) {
-        const double share = rescaled_sum(c) / total;
+        const double share = rescaled_sum[c] / total;
         for (int64_t i = 0; i < head_dim; ++i) {
           weighted[i] += part_out[(b * chunks + c) * dim + hh * head_dim + i] * share;
         }

@@ -41,6 +41,13 @@ inline int64_t feature_block(int64_t batch, int64_t dim, int64_t unit) {
 // task's fixed costs stay small beside its rows; a 32k-token text still makes 64 tasks.)
 constexpr int64_t kChunkRows = 512;
 
+// What a chunk's second pass (a reducer's resum_if_overflowed, where its sums overflowed) scales the rows by:
+// float64 rows near float64's maximum by 2^-10, a power of two, so exactly but for subnormal values, which keeps
+// kChunkRows of them finite; narrower rows are summed in float64, wider than theirs, unscaled.
+template <typename acc>
+constexpr double kResumShrink = std::is_same_v<acc, double> ? 0x1p-10 : 1.0;
+static_assert(kChunkRows <= 1024, "a shrunk chunk's sums must stay finite");
+
 // A chunk's rows, in order, as reduce_rows walks them: rows [begin, end) of text b's list.
 struct ChunkRows {
   const RowList* list;

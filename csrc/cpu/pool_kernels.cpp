@@ -110,8 +110,7 @@ struct SumReducer {
     if (std::all_of(total, total + n, [](double t) { return std::isfinite(t); })) {
       return;
     }
-    static_assert(kChunkRows <= 1024, "a shrunk chunk's sums must stay finite");
-    const double shrink = std::is_same_v<acc, double> ? 0x1p-10 : 1.0;
+    constexpr double shrink = kResumShrink<acc>;
     unscale = 1.0 / shrink;
     std::fill_n(total, n, 0.0);
     chunk.each([&](int64_t l) {

@@ -245,13 +245,9 @@ __global__ void __launch_bounds__(kThreads)
                      acc_t<scalar_t>* part_max, acc_t<scalar_t>* part_sum, double* part_out) {
   using acc = acc_t<scalar_t>;
   constexpr acc kNegInf = -std::numeric_limits<acc>::infinity();
-  // Rows near acc's maximum (float32's range, which bfloat16 shares) overflow a weighted sum whose mean is finite. A
-  // chunk where a lane's sum passes kNearOverflow (or is not finite) is summed again with the weights scaled by
-  // kShrink, a power of two, so exactly; its sums are scaled back where they are divided by the total or stored in
-  // float64. kShrink keeps a chunk's kChunkRows rows finite; kNearOverflow keeps the merge of the row lanes' sums
-  // finite. Inputs that are inf or NaN take the second pass too, and stay so.
-  constexpr acc kShrink = acc(1) / acc(256);
-  constexpr acc kNearOverflow = std::numeric_limits<acc>::max() / acc(256);
+  // Rows near acc's maximum (float32's range, which bfloat16 shares) overflow a weighted sum whose mean is finite:
+  // such a chunk is summed again with the weights scaled by kOverflowShrink (common.cuh), scaled back where its sums
+  // are divided by the total or stored in float64. Inputs that are inf or NaN take the second pass too, and stay so.
   static_assert(kChunkRows <= 128 && kThreads / 32 <= 256,
                 "a shrunk chunk's sums, and the merge of up to kThreads / 32 row lanes' sums, must stay finite");
   constexpr int R = kRowsInFlight / P;  // a lane with more packs keeps fewer rows in flight (same registers)
@@ -341,16 +337,16 @@ __global__ void __launch_bounds__(kThreads)
   };
   acc shrink = acc(1);
   sum_chunk(shrink);
-  bool near_overflow = false;
+  bool overflowed = false;
 #pragma unroll
   for (int p = 0; p < P; ++p) {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      near_overflow |= !(weighted[p][i] >= -kNearOverflow && weighted[p][i] <= kNearOverflow);  // a NaN too
+      overflowed |= near_overflow(weighted[p][i]);
     }
   }
-  if (__syncthreads_or(near_overflow)) {  // the whole block takes the same branch
-    shrink = kShrink;
+  if (__syncthreads_or(overflowed)) {  // the whole block takes the same branch
+    shrink = kOverflowShrink<acc>;
     sum_chunk(shrink);
   }
 
@@ -493,13 +489,10 @@ __global__ void __launch_bounds__(kThreads)
                               int64_t row_values_batch, double* part_pe, double* part_pex, double* part_px) {
   using acc = acc_t<scalar_t>;
   // Rows near acc's maximum (float32's range, which bfloat16 shares) make x - m overflow though every gradient is
-  // finite. A chunk where a lane's sum passes kNearOverflow (or is not finite) is summed again with x - m taken as
-  // x * kShrink - m * kShrink, a power of two, so exactly: e and the sums of p e and p (x - m) carry one factor
-  // kShrink, that of p e (x - m) two, taken out where they are stored in float64. kNearOverflow keeps the merge of
-  // the row lanes' sums finite (as in attention_chunks). Inputs that are inf or NaN take the second pass too, and
-  // stay so; so does a p e (x - m) past float32's range even shrunk, whose query gradient is past it too.
-  constexpr acc kShrink = acc(1) / acc(256);
-  constexpr acc kNearOverflow = std::numeric_limits<acc>::max() / acc(256);
+  // finite. Such a chunk is summed again with x - m taken as x * shrink - m * shrink, shrink = kOverflowShrink
+  // (common.cuh): e and the sums of p e and p (x - m) carry one factor shrink, that of p e (x - m) two, taken out
+  // where they are stored in float64. Inputs that are inf or NaN take the second pass too, and stay so; so does a
+  // p e (x - m) past float32's range even shrunk, whose query gradient is past it too.
   constexpr int R = kRowsInFlight / P;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   const int64_t tile = blockIdx.x % layout.tiles, chunk = (blockIdx.x / layout.tiles) % chunks;
@@ -581,7 +574,6 @@ __global__ void __launch_bounds__(kThreads)
   };
   acc shrink = acc(1);
   sum_chunk(shrink);
-  const auto near_overflow = [](acc v) { return !(v >= -kNearOverflow && v <= kNearOverflow); };  // a NaN too
   bool overflowed = near_overflow(pe);
 #pragma unroll
   for (int p = 0; p < P; ++p) {
@@ -591,7 +583,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   if (__syncthreads_or(overflowed)) {  // the whole block takes the same branch
-    shrink = kShrink;
+    shrink = kOverflowShrink<acc>;
     sum_chunk(shrink);
   }
 

@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "common/error.h"
 #include "common/tensor_ops.h"
@@ -42,6 +43,19 @@ constexpr int kThreads = 256;
 constexpr int64_t kChunkRows = 128;
 // Rows each thread loads before using any of them: independent 16-byte loads in flight hide memory latency.
 constexpr int kRowsInFlight = 4;
+
+// A chunk's second pass where its sums near overflow (values near the accumulation type's maximum, or inf or NaN):
+// a lane's sum past max / 256, or not finite (near_overflow), sends the whole block to sum the chunk again with its
+// values scaled by kOverflowShrink, a power of two, so exactly but for subnormal values. kChunkRows rows of such
+// values, and the merge of a block's row lanes' sums, then stay finite; the kernels scale the factor back out.
+template <typename acc>
+constexpr acc kOverflowShrink = acc(1) / acc(256);
+
+template <typename acc>
+__device__ __forceinline__ bool near_overflow(acc v) {
+  constexpr acc kBound = std::numeric_limits<acc>::max() / acc(256);
+  return !(v >= -kBound && v <= kBound);  // a NaN too
+}
 
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;

@@ -109,18 +109,16 @@ __global__ void __launch_bounds__(kThreads)
   reduce_chunk(shrink);
   if constexpr (!kMax && std::is_same_v<value_acc, double> && std::is_same_v<scalar_t, double>) {
     // Float64 rows near float64's maximum overflow a sum whose mean is finite (other rows are summed in a wider
-    // type than theirs). A chunk where a lane's sum passes max / 256 (or is not finite) is summed again with its
-    // values scaled by 2^-8, exactly (but for subnormal values): a chunk's kChunkRows rows, and the merge of the
-    // row lanes, then stay below max / 2. The factor comes back after the division by the row count.
+    // type than theirs): such a chunk is summed again scaled by kOverflowShrink (common.cuh), and the factor comes
+    // back after the division by the row count.
     static_assert(kChunkRows <= 128, "a shrunk chunk's sums must stay finite");
-    constexpr double kNearOverflow = std::numeric_limits<double>::max() / 256;
-    bool near_overflow = false;
+    bool overflowed = false;
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      near_overflow |= !(value[i] >= -kNearOverflow && value[i] <= kNearOverflow);  // a NaN too
+      overflowed |= near_overflow(value[i]);
     }
-    if (__syncthreads_or(near_overflow)) {  // the whole block takes the same branch
-      shrink = 0x1p-8;
+    if (__syncthreads_or(overflowed)) {  // the whole block takes the same branch
+      shrink = kOverflowShrink<double>;
       reduce_chunk(shrink);
     }
   }

@@ -129,18 +129,19 @@ struct RowGroup {
   int k;
 };
 
-// Prefetches the cache line of the `ahead` rows at feature i, once per 64-byte line (contiguous rows), for
-// element types of up to kWidest bytes. Measured on the 2-core AVX2 machine, one text of 32768 x 1024: four 2 KB
-// bfloat16 rows read side by side are streams the hardware prefetcher follows late (a sum at 1.5x a linear read,
-// 1.05x with this), and so are float32 rows under the heavier maximum (1.2-1.3x hidden.sum() -> 1.1x); a float32
-// sum is read at the floor without it and 5-15% slower with it. So the sum passes 2, the maximum 4.
+// Prefetches the cache line of the `ahead` rows at feature i, once per 64-byte line (contiguous rows), into the
+// outer caches (prefetcht2). Four rows read side by side are streams the hardware prefetchers follow late.
+// Measured on one text of 32768 x 1024, hidden.sum()'s time as the unit: on the 2-core AVX2 machine a bfloat16 sum
+// 1.5x without -> 1.05x with (prefetcht0), float32 rows under the maximum 1.2-1.3x -> 1.1x; on a 2-core AMD Zen 4
+// (AVX-512), prefetcht0 gained little (a bfloat16 sum 2.3x one thread, 1.8x two) where prefetcht2 reads near the
+// floor (1.1-1.5x one thread, 1.1x two), and a float32 sum went 1.6-1.7x -> 1.1-1.2x (one thread) with it.
 // Always inlined: as a call, GCC finds the function free of side effects (a prefetch only reads) and deletes it.
-template <size_t kWidest, typename scalar_t>
+template <typename scalar_t>
 [[gnu::always_inline]] inline void prefetch_ahead(const RowGroup<scalar_t>& group, int64_t i) {
   constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(scalar_t));
-  if (sizeof(scalar_t) <= kWidest && (i & (kLine - 1)) == 0) {
+  if ((i & (kLine - 1)) == 0) {
     for (int r = 0; r < group.k; ++r) {
-      __builtin_prefetch(group.ahead[r] + i);
+      __builtin_prefetch(group.ahead[r] + i, 0, 1);
     }
   }
 }

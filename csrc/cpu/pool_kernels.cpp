@@ -61,7 +61,7 @@ struct SumReducer {
     int64_t i = 0;
     if (stride == 1) {
       for (; i + V::size() <= width; i += V::size()) {
-        prefetch_ahead<2>(g, i);
+        prefetch_ahead(g, i);
         V group = load_widened(rows[0] + i);
         if (k == kRowGroup) {
           static_assert(kRowGroup == 4);
@@ -243,7 +243,7 @@ struct MaxReducer {
           ordinals[r] = Keys{} + static_cast<int16_t>(rows_seen++);
         }
         for (; i < keyed; i += kKeyLanes) {
-          prefetch_ahead<4>(g, i);
+          prefetch_ahead(g, i);
           Keys kept, at;
           std::memcpy(&kept, key + i, sizeof kept);
           std::memcpy(&at, ordinal + i, sizeof at);
@@ -262,7 +262,7 @@ struct MaxReducer {
         positions[r] = Where(static_cast<index_t>(ls[r]));
       }
       for (; i + V::size() <= n; i += V::size()) {
-        prefetch_ahead<4>(g, i);
+        prefetch_ahead(g, i);
         V m = V::loadu(best + i);
         Where w = Where::loadu(where + i);
         for (int r = 0; r < k; ++r) {

@@ -216,6 +216,34 @@ def test_bad_offsets_name_the_op(offsets, message, name, device):
         call()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["mean_pool", "max_pool", "landmark_mean", "landmark_gather", "first_token_pool",
+                                  "last_token_pool", "attention_pool"])
+def test_a_max_seqlen_shorter_than_a_text_is_refused_by_every_op(name, device):
+    hidden, offsets = torch.randn(7, 4, device=device), torch.tensor([0, 3, 7], device=device)
+    landmarks = torch.tensor([1, 0, 1, 0, 0, 0, 1], dtype=torch.bool, device=device)
+    call = {
+        "landmark_mean": lambda: lmk_ops.landmark_mean(hidden, landmarks, cu_seqlens=offsets, max_seqlen=3),
+        "landmark_gather": lambda: lmk_ops.landmark_gather(hidden, landmarks, cu_seqlens=offsets, max_seqlen=3),
+        "attention_pool": lambda: lmk_ops.attention_pool(hidden, None, torch.randn(4, device=device),
+                                                         cu_seqlens=offsets, max_seqlen=3),
+    }.get(name, lambda: getattr(lmk_ops, name)(hidden, cu_seqlens=offsets, max_seqlen=3))
+    with pytest.raises(RuntimeError, match=rf"lmk_ops.{name}: expected every text at most max_seqlen = 3 "):
+        call()
+    assert lmk_ops.landmark_gather(hidden, landmarks, cu_seqlens=offsets, max_seqlen=4)[0].shape == (2, 2, 4)
+
+
+def test_landmark_gather_refuses_a_short_max_seqlen_under_compile():
+    hidden, offsets, positions = torch.randn(7, 4), torch.tensor([0, 3, 7]), torch.tensor([[0, 2], [1, -1]])
+    torch._dynamo.reset()
+    gather = torch.compile(lambda h, p, c, w: lmk_ops.landmark_gather(h, p, cu_seqlens=c, max_seqlen=w),
+                           fullgraph=True)
+    expected = lmk_ops.landmark_gather(hidden, positions, cu_seqlens=offsets)
+    assert all(torch.equal(a, b) for a, b in zip(gather(hidden, positions, offsets, 4), expected))
+    with pytest.raises(RuntimeError, match=r"lmk_ops.landmark_gather: expected every text at most max_seqlen = 3 "):
+        gather(hidden, positions, offsets, 3)
+
+
 def test_bad_packed_inputs_name_the_op():
     hidden, offsets = torch.randn(7, 4), torch.tensor([0, 3, 7])
     with pytest.raises(RuntimeError, match=r"lmk_ops.mean_pool: expected every text at most max_seqlen = 3 .*, got 4 "

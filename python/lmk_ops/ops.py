@@ -185,7 +185,8 @@ def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | N
             into positions by :func:`landmark_positions`, with ``num_landmarks``). Packed positions count from
             each text's start.
         cu_seqlens: a packed batch's offsets, as for :func:`mean_pool`.
-        max_seqlen: accepted for one call shape across the ops (K comes from the positions or num_landmarks).
+        max_seqlen: accepted for one call shape across the ops (K comes from the positions or num_landmarks); a
+            text longer than it is an error, as in the other ops.
 
     Returns:
         ``(vectors, valid)``: ``[B, K, D]`` in hidden's dtype, with zero rows where there is no landmark, and the
@@ -198,7 +199,10 @@ def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | N
     op = "landmark_gather"
     check_call(op, hidden, landmarks=landmarks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     if cu_seqlens is not None:
-        batch = check_packed(op, hidden, cu_seqlens)
+        batch = check_packed(op, hidden, cu_seqlens, max_seqlen)
+        if max_seqlen is not None:  # the gather needs no width, but a wrong hint is refused as by every op (the
+            # checked offsets are used, so that torch.compile keeps the check)
+            cu_seqlens = torch.ops.lmk_ops.packed_offsets(cu_seqlens, hidden.shape[0], max_seqlen, op)
         if isinstance(landmarks, Tensor) and landmarks.dtype == torch.bool:
             check_landmarks(op, landmarks, batch, hidden.shape[0], hidden, packed=True)
             landmarks = landmark_positions(landmarks, num_landmarks, cu_seqlens=cu_seqlens)

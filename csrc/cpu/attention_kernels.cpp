@@ -356,16 +356,28 @@ struct SoftmaxReducer {
       }
       raise_max(h, top);
     }
-    // The weights exp(score - max), all of the group's at once (exp.h), and their totals per head.
+    // The weights exp(score - max), all of the group's at once (exp.h), and their totals per head (row by row, a
+    // vector of heads at a time: the compiler does not vectorise these loops itself, the arrays might overlap).
     for (int r = 0; r < k; ++r) {
-      for (int64_t j = 0; j < heads; ++j) {
-        group_scores[r * heads + j] -= running_max[j];
+      acc* s = group_scores + r * heads;
+      for (h = 0; h + V::size() <= heads; h += V::size()) {
+        (V::loadu(s + h) - V::loadu(running_max + h)).store(s + h);
+      }
+      for (; h < heads; ++h) {
+        s[h] -= running_max[h];
       }
     }
     exp_in_place(group_scores, k * heads);
-    for (int r = 0; r < k; ++r) {
-      for (int64_t j = 0; j < heads; ++j) {
-        total[j] += group_scores[r * heads + j];
+    for (h = 0; h + V::size() <= heads; h += V::size()) {
+      V t = V::loadu(total + h);
+      for (int r = 0; r < k; ++r) {
+        t = t + V::loadu(group_scores + r * heads + h);
+      }
+      t.store(total + h);
+    }
+    for (; h < heads; ++h) {
+      for (int r = 0; r < k; ++r) {
+        total[h] += group_scores[r * heads + h];
       }
     }
     for (h = 0; h < heads; ++h) {

@@ -59,10 +59,10 @@ def test_precompile_fills_the_compile_cache_the_report_then_loads(monkeypatch):
     """The contenders compiled in worker processes (bench.precompile) are cache hits in the report's own process."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)  # two workers even on a one-core machine
+    monkeypatch.setattr(bench, "usable_cores", lambda: 2)  # two workers even on a one-core machine
     case = ("attention_pool@1h", "float32", (3, 19, 24))
     bench.precompile([case, ("mean_pool", "float32", (2, 7, 24))], "cpu", 0.0)
     torch._dynamo.reset()
     counters.clear()
-    bench._compile_cases([case], "cpu", 0.0)
+    bench._compile_cases([case], "cpu", 0.0, torch.get_num_threads())
     assert counters["inductor"]["fxgraph_cache_hit"] >= 1 and counters["inductor"]["fxgraph_cache_miss"] == 0

@@ -219,9 +219,11 @@ def case_inputs(op, dtype_name, shape, device, padding) -> Case:
     return Case(row_name, hidden, mask, rows, second, grad)
 
 
-def _compile_cases(cases, device, padding) -> None:
-    """Compiles (and runs once) the torch.compile contender of each case, forward and forward+backward. (With the
-    report's thread count: inductor's CPU kernels are generated for it.)"""
+def _compile_cases(cases, device, padding, threads) -> None:
+    """Compiles (and runs once) the torch.compile contender of each case, forward and forward+backward, with the
+    report's thread count (inductor generates its CPU kernels for it, and a cache entry is only found again under
+    the same count)."""
+    torch.set_num_threads(threads)
     for op, dtype_name, shape in cases:
         case = case_inputs(op, dtype_name, shape, device, padding)
         compiled = implementations(op)["compiled"]
@@ -231,19 +233,25 @@ def _compile_cases(cases, device, padding) -> None:
         torch._dynamo.reset()
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, which a container may limit below os.cpu_count())."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def precompile(cases, device, padding) -> None:
     """Fills torch's compile cache (on disk) with the contenders of the report's cases, compiled in one process per
-    core, so that the report's own first calls load them. On a fresh 2-core machine compiling them one after the
-    other was over half of the report's time (about 150 of 290 s); each compile is one process's work (tracing in
-    Python, then g++), so two processes do it in about half the time. CPU only: not tried on a GPU machine."""
+    core, so that the report's own first calls load them. Compiling them one after the other was about 150 s of a
+    fresh report's 294 s on a 2-core AMD EPYC; each compile is one process's work (tracing in Python, then g++),
+    and two processes brought that report to 263 s. CPU only: not tried on a GPU machine."""
     compiled = [(op, dt, shape) for op, dt, shape in cases if op != "insert_landmarks"]
-    workers = min(len(compiled), os.cpu_count() or 1, 8)
+    workers = min(len(compiled), usable_cores(), 8)
     if device != "cpu" or workers < 2:
         return
     share = [compiled[i::workers] for i in range(workers)]
+    threads = torch.get_num_threads()
     try:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            for done in [pool.submit(_compile_cases, part, device, padding) for part in share]:
+            for done in [pool.submit(_compile_cases, part, device, padding, threads) for part in share]:
                 done.result()
     except Exception as error:  # e.g. a script calling main() without the __main__ guard that spawn needs
         print(f"\nprecompiling in {workers} processes failed ({type(error).__name__}: {error}); the report compiles "
@@ -468,7 +476,7 @@ def main(argv=None) -> int:
     packed_rows = []
     packed_cases = [(op, dt) for op in PACKED_OPS if op in args.ops for dt in args.dtype] if args.packed else []
     if packed_cases:
-        print(f"\npacked batches (cu_seqlens): 'padded' = lmk_ops on the same texts padded; seg_red, idx_add, idx_f32 ="
+        print("\npacked batches (cu_seqlens): 'padded' = lmk_ops on the same texts padded; seg_red, idx_add, idx_f32 ="
               " torch.segment_reduce, index_add in hidden's dtype, index_add in float32 (lmk_ops.reference); 'vs "
               "best' = fastest of those / lmk_ops\n")
         print(PACKED_HEADER, flush=True)

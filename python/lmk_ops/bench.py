@@ -247,6 +247,8 @@ def precompile(cases, device, padding) -> None:
     workers = min(len(compiled), usable_cores(), 8)
     if device != "cpu" or workers < 2:
         return
+    print(f"  compiling the torch.compile contenders in {workers} processes ...", end="\r", file=sys.stderr,
+          flush=True)
     share = [compiled[i::workers] for i in range(workers)]
     threads = torch.get_num_threads()
     try:
@@ -465,7 +467,6 @@ def main(argv=None) -> int:
     cases = [(op, dt, shape) for op in args.ops for dt in (args.dtype if op != "insert_landmarks" else ["int64"])
              for shape in args.shapes]
     started = time.perf_counter()
-    print("  compiling the torch.compile contenders ...", end="\r", file=sys.stderr, flush=True)
     precompile(cases, args.device, args.padding)
     for i, (op, dt, shape) in enumerate(cases, 1):
         print(f"  [{i}/{len(cases)}] {op} {dt} {shape} ...", end="\r", file=sys.stderr, flush=True)

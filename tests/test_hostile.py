@@ -571,6 +571,39 @@ def test_strided_and_aliased_inputs_are_read_right_and_left_untouched():
     assert torch.equal(base, snapshot[0]) and torch.equal(mask, snapshot[1])
 
 
+_OUTPUT_CASES = {
+    "mean_pool": lambda h, m: lmk_ops.mean_pool(h, m),
+    "mean_pool normalize": lambda h, m: lmk_ops.mean_pool(h, m, normalize=True),
+    "max_pool": lambda h, m: lmk_ops.max_pool(h, m),
+    "landmark_mean": lambda h, m: lmk_ops.landmark_mean(h, m),
+    "landmark_gather": lambda h, m: lmk_ops.landmark_gather(h, m)[0],
+    "first_token_pool": lambda h, m: lmk_ops.first_token_pool(h, m),
+    "last_token_pool": lambda h, m: lmk_ops.last_token_pool(h, m),
+    "first_token_pool packed": lambda h, m: lmk_ops.first_token_pool(
+        h.flatten(0, 1), m.flatten(), cu_seqlens=torch.tensor([0, 5, 10])),
+    "attention weights": lambda h, m: lmk_ops.attention_pool(h, m, torch.ones(4, 2), return_weights=True)[1],
+}
+
+
+@pytest.mark.parametrize("case", _OUTPUT_CASES)
+def test_outputs_can_be_changed_in_place_under_autograd(case):
+    """emb /= emb.norm(...) on a pooled embedding: each op's output is a tensor of its own (a view made inside an op
+    cannot be changed in place under autograd; first/last_token_pool's was one), and the gradient is what the same
+    change out of place gives."""
+    fn = _OUTPUT_CASES[case]
+    base = torch.randn(2, 5, 8, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 0, 0]], dtype=torch.bool)
+
+    def grad(in_place: bool):
+        h = base.clone().requires_grad_()
+        out = fn(h * 1, mask)
+        out = out.mul_(2) if in_place else out * 2
+        (out * torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
+        return h.grad
+
+    torch.testing.assert_close(grad(True), grad(False), rtol=0, atol=0)
+
+
 def test_many_python_threads_get_the_same_bits():
     hidden = torch.randn(4, 3000, 64)
     mask = torch.rand(4, 3000) < 0.7

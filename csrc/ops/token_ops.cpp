@@ -92,12 +92,15 @@ std::tuple<Tensor, Tensor> token_pool(const Tensor& hidden, const std::optional<
     rows = positions;  // the gather reads positions of each text
     view = hidden;
   }
-  Tensor out = empty_on(hidden, {view.size(0), 1, view.size(2)}, hidden.scalar_type());
+  // The output is a tensor of its own, not a view: autograd refuses in-place changes (emb /= norm) to a view made
+  // inside an op. The gather writes it as [B, 1, D].
+  Tensor out = empty_on(hidden, {view.size(0), view.size(2)}, hidden.scalar_type());
   if (out.numel() > 0) {
-    kernels_for(hidden).gather_forward(view, rows, out);
+    Tensor one_row_each = torch::stable::view(out, {view.size(0), 1, view.size(2)});
+    kernels_for(hidden).gather_forward(view, rows, one_row_each);
   }
   // Positions from each text's start, as landmark_gather_backward takes them.
-  return {torch::stable::view(out, {view.size(0), view.size(2)}), positions};
+  return {out, positions};
 }
 
 void register_token_ops(torch::stable::detail::StableLibrary& m) {

@@ -57,12 +57,13 @@ def _all(hidden, packed):
 
 
 def _layouts(lengths, dim, dtype, strided, selected, device):
-    """The same texts packed [T, D] (offsets int64; a strided view when asked), right-padded and left-padded
-    [B, W, D], and their masks ([T], [B, W]); selected: per token, whether it is valid (None: every token)."""
+    """The same texts packed [T, D] (offsets int64; when asked, a strided view that starts past its storage's
+    first element), right-padded and left-padded [B, W, D], and their masks ([T], [B, W]); selected: per token,
+    whether it is valid (None: every token)."""
     gen = torch.Generator().manual_seed(len(lengths) * 1000 + dim)
     total, width, batch = sum(lengths), max(lengths, default=0), len(lengths)
-    wide = torch.randn(total, 2 * dim if strided else dim, generator=gen, dtype=torch.float64).to(dtype)
-    packed = (wide[:, ::2] if strided else wide).to(device)
+    wide = torch.randn(total, 2 * dim if strided else dim, generator=gen, dtype=torch.float64).to(dtype).to(device)
+    packed = wide[:, 1::2] if strided else wide
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64, device=device)
     pads = {}
     for side in ("right", "left"):
@@ -273,6 +274,23 @@ def test_offsets_as_a_strided_view(device, dtype):
     assert not strided.is_contiguous()
     for fn in (lmk_ops.mean_pool, lmk_ops.max_pool, lmk_ops.first_token_pool, lmk_ops.last_token_pool):
         assert torch.equal(fn(hidden, cu_seqlens=strided), fn(hidden, cu_seqlens=offsets))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_packed_hidden_that_starts_inside_its_storage(device, name):
+    """A packed [T, D] that is a later slice of a bigger tensor (stacked batches, hidden[k]): its rows are read from
+    its own start. The view of the packed rows the kernels take doubled the storage offset: hidden[1] of a stack
+    pooled hidden[2]'s rows, and hidden[2] read past the storage's end."""
+    fn = FUNCTIONS[name]
+    stack = torch.randn(3, 9, 8, dtype=torch.float64, device=device)
+    offsets = torch.tensor([0, 4, 4, 9], device=device)
+    for k in range(3):
+        out, grad = _run(fn, stack[k], None, 3, cu_seqlens=offsets)
+        want_out, want_grad = _run(fn, stack[k].clone(), None, 3, cu_seqlens=offsets)
+        assert torch.equal(out, want_out) and torch.equal(grad, want_grad), (name, k)
+    tail = stack.flatten(0, 1)[5:14]  # rows 5..13 of the flattened stack: offset 5 * 8, rows straddling two slices
+    assert torch.equal(fn(tail, None, cu_seqlens=offsets), fn(tail.clone(), None, cu_seqlens=offsets))
 
 
 def test_packed_inputs_are_not_modified():

@@ -59,9 +59,11 @@ Tensor full_on(const Tensor& like, Sizes sizes, double value, ScalarType dtype) 
 }
 
 Tensor as_strided(const Tensor& t, Sizes sizes, Sizes strides) {
+  // The shim's offset is an increment on t's own storage offset (it was passed t's offset, which doubled it: a
+  // packed hidden that was a later slice of a bigger tensor read rows further on, or past the storage's end).
   AtenTensorHandle out = nullptr;
   LMK_SHIM_CHECK(aoti_torch__reinterpret_tensor(t.get(), static_cast<int64_t>(sizes.size()), sizes.data(),
-                                                strides.data(), t.storage_offset(), &out),
+                                                strides.data(), /*offset_increment=*/0, &out),
                  "viewing a tensor as shape ", shape_str(sizes));
   return Tensor(out);
 }

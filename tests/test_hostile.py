@@ -336,6 +336,60 @@ def test_forward_ad_is_refused_and_vmap_and_reverse_mode_work(op):
     assert torch.autograd.gradcheck(FUNCTIONS[op], (h,))
 
 
+_VMAP_QUERY = torch.linspace(-1, 1, 8, dtype=torch.float64).reshape(2, 4)
+# f(hidden [B, L, D], mask [B, L]) for each forward op, padded, with outputs of the same shape for every mask.
+_VMAPPED = {
+    "mean_pool": lambda h, m: lmk_ops.mean_pool(h, m),
+    "mean_pool+normalize": lambda h, m: lmk_ops.mean_pool(h, m, normalize=True),
+    "max_pool": lambda h, m: lmk_ops.max_pool(h, m),
+    "landmark_mean": lambda h, m: lmk_ops.landmark_mean(h, m),
+    "landmark_gather": lambda h, m: lmk_ops.landmark_gather(h, m, num_landmarks=h.shape[1])[0],
+    "first_token_pool": lambda h, m: lmk_ops.first_token_pool(h, m),
+    "last_token_pool": lambda h, m: lmk_ops.last_token_pool(h, m.long()),
+    "attention_pool": lambda h, m: lmk_ops.attention_pool(h, m, _VMAP_QUERY),
+    "attention_pool weights": lambda h, m: lmk_ops.attention_pool(h, m, _VMAP_QUERY, return_weights=True)[1],
+}
+
+
+@pytest.mark.parametrize("name", _VMAPPED)
+def test_vmap_gives_each_slice_its_own_bits_in_one_call(name):
+    """torch.vmap over padded batches folds the vmapped dimension into the texts (_vmap.py): the same bits as each
+    slice alone, for any vmapped dimension and either input unvmapped, gradients included, and without PyTorch's
+    per-slice fallback (which warns the user to file an issue with PyTorch)."""
+    fn = _VMAPPED[name]
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(3, 4, 6, 8, dtype=torch.float64, generator=gen)
+    mask = torch.rand(3, 4, 6, generator=gen) > 0.3
+    mask[:, :, 0] |= name == "landmark_gather"  # (the gather's validity mask aside, every row has a landmark)
+    cases = [((0, 0), (hidden, mask), lambda j: (hidden[j], mask[j])),
+             ((2, 1), (hidden.movedim(0, 2), mask.movedim(0, 1)), lambda j: (hidden[j], mask[j])),
+             ((0, None), (hidden, mask[0]), lambda j: (hidden[j], mask[0])),
+             ((None, 0), (hidden[0], mask), lambda j: (hidden[0], mask[j]))]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*batching rule")
+        for in_dims, args, slice_args in cases:
+            got = torch.vmap(fn, in_dims=in_dims)(*args)
+            assert torch.equal(got, torch.stack([fn(*slice_args(j)) for j in range(3)])), in_dims
+        h = hidden.clone().requires_grad_()
+        upstream = torch.randn(got.shape, dtype=torch.float64, generator=gen)
+        (grad,) = torch.autograd.grad(torch.vmap(fn)(h, mask), h, upstream)
+    slices = [hidden[j].clone().requires_grad_() for j in range(3)]
+    want = torch.autograd.grad(torch.stack([fn(s, mask[j]) for j, s in enumerate(slices)]), slices, upstream)
+    assert torch.equal(grad, torch.stack(want))
+
+
+def test_vmap_over_packed_batches_and_queries_runs_slice_by_slice():
+    gen = torch.Generator().manual_seed(6)
+    stack, offsets = torch.randn(3, 9, 8, generator=gen), torch.tensor([0, 4, 4, 9], dtype=torch.int32)
+    got = torch.vmap(lambda h: lmk_ops.mean_pool(h, cu_seqlens=offsets))(stack)
+    assert torch.equal(got, torch.stack([lmk_ops.mean_pool(stack[j], cu_seqlens=offsets) for j in range(3)]))
+    queries = torch.randn(3, 8, generator=gen)
+    got = torch.vmap(lambda q: lmk_ops.attention_pool(stack, None, q))(queries)
+    assert torch.equal(got, torch.stack([lmk_ops.attention_pool(stack, None, q) for q in queries]))
+    with pytest.raises(RuntimeError, match=r"lmk_ops.landmark_positions: expected num_landmarks .*torch.vmap"):
+        torch.vmap(lambda m: lmk_ops.landmark_positions(m))(torch.ones(3, 2, 4, dtype=torch.bool))
+
+
 # --- modules and helpers ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["cls", "last", "attention"])

@@ -9,7 +9,7 @@ from ._loader import load_extension
 
 _C = load_extension()
 
-from . import _autograd, _meta  # noqa: E402,F401  (register fake kernels and autograd with the dispatcher)
+from . import _autograd, _meta, _vmap  # noqa: E402,F401  (register fake kernels, autograd and vmap rules)
 from . import reference  # noqa: E402,F401
 from .landmarks import LandmarkBatch, PackedLandmarkBatch, insert_landmarks, sample_intervals  # noqa: E402
 from . import nn  # noqa: E402

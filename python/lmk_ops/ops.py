@@ -109,8 +109,10 @@ def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False,
 
 
 def _values_known(t: Tensor) -> bool:
-    """Whether t's values can be read here: not while tracing (torch.compile, FakeTensor) and not on meta."""
-    return not (torch.compiler.is_compiling() or t.device.type == "meta" or isinstance(t, FakeTensor))
+    """Whether t's values can be read here: not while tracing (torch.compile, FakeTensor), not inside torch.func
+    transforms (torch.vmap, whose tensors refuse .item()) and not on meta."""
+    return not (torch.compiler.is_compiling() or t.device.type == "meta" or isinstance(t, FakeTensor)
+                or torch._C._functorch.peek_interpreter_stack() is not None)
 
 
 def _packed_texts(cu_seqlens: Tensor, tokens: int, op: str):
@@ -160,7 +162,7 @@ def landmark_positions(landmark_mask: Tensor, num_landmarks: int | None = None, 
     if num_landmarks is None or _values_known(landmark_mask):
         if not _values_known(landmark_mask):
             fail(op, "expected num_landmarks where the mask's values cannot be read (meta or fake tensors, "
-                     "torch.compile): the output's width K depends on them")
+                     "torch.compile, torch.vmap): the output's width K depends on them")
         most = int(counts.max()) if batch else 0
         if num_landmarks is None:
             num_landmarks = most
@@ -170,8 +172,8 @@ def landmark_positions(landmark_mask: Tensor, num_landmarks: int | None = None, 
     # Each landmark goes to (its text, its rank); other tokens, and landmarks past K, to a spare last column,
     # dropped after.
     column = torch.where(landmark_mask & (rank < num_landmarks), rank, num_landmarks)
-    positions = torch.full((batch * (num_landmarks + 1),), -1, dtype=torch.long, device=device)
-    positions.scatter_(0, (text * (num_landmarks + 1) + column).flatten(), offset.flatten())
+    positions = torch.full((batch * (num_landmarks + 1),), -1, dtype=torch.long, device=device).scatter(
+        0, (text * (num_landmarks + 1) + column).flatten(), offset.flatten())  # out of place: torch.vmap batches it
     return positions.view(batch, num_landmarks + 1)[:, :num_landmarks].clone()
 
 

@@ -1,0 +1,70 @@
+"""torch.vmap batching rules for the forward ops.
+
+Without them torch.vmap runs each op once per vmapped slice (PyTorch's fallback, which also warns the user to file
+an issue with PyTorch). A padded batch of texts vmapped N times is one batch of N * B texts: the rules fold the
+vmapped dimension into the ops' own batch dimension, call the op once, and unfold its outputs. A text pools to the
+same bits alone or in any batch, so the folded call gives exactly what the slices would. Packed batches
+(cu_seqlens) and a vmapped query are run slice by slice, as the fallback would, without its warning.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Per forward op: the arguments whose first dimension is the batch of texts in the padded layout (hidden, the mask or
+# landmarks), and the index of cu_seqlens.
+_FOLDABLE = {
+    "mean_pool": ((0, 1), 3),
+    "max_pool": ((0, 1), 3),
+    "landmark_mean": ((0, 1), 3),
+    "landmark_gather": ((0, 1), 2),
+    "token_pool": ((0, 1), 3),
+    "attention_pool": ((0, 1), 5),  # the query (2) is the same for every text
+}
+
+
+def _slice_by_slice(op, batch_size, in_dims, args):
+    """op on each vmapped slice, the results stacked along a new first dimension."""
+    results = [op(*(a if d is None else a.select(d, j) for a, d in zip(args, in_dims))) for j in range(batch_size)]
+    if isinstance(results[0], torch.Tensor):
+        return torch.stack(results), 0
+    outputs = tuple(torch.stack(parts) for parts in zip(*results))
+    return outputs, (0,) * len(outputs)
+
+
+def _folded(op, batch_size, in_dims, args, text_args):
+    """op on one batch of batch_size * B texts: each text argument's vmapped dimension moved to the front (or the
+    argument repeated, where it is not vmapped) and merged with the texts' dimension."""
+    text_args = [i for i in text_args if i < len(args)]  # a call may leave the mask out
+    texts = next(args[i].shape[1 if in_dims[i] == 0 else 0] for i in text_args if in_dims[i] is not None)
+    folded = list(args)
+    for i in text_args:
+        a, d = args[i], in_dims[i]
+        if a is not None:
+            a = a.expand(batch_size, *a.shape) if d is None else a.movedim(d, 0)
+            folded[i] = a.flatten(0, 1)
+    result = op(*folded)
+
+    def unfold(t):  # a per-text output [N * B, ...]; the ops' empty placeholders are the same for every slice
+        return (t.unflatten(0, (batch_size, texts)), 0) if t.dim() > 0 and t.shape[0] == batch_size * texts \
+            else (t, None)
+
+    if isinstance(result, torch.Tensor):
+        return unfold(result)
+    outputs, out_dims = zip(*(unfold(t) for t in result))
+    return tuple(outputs), tuple(out_dims)
+
+
+def _rule(op, text_args, cu_seqlens_index):
+    def rule(info, in_dims, *args):
+        packed = len(args) > cu_seqlens_index and args[cu_seqlens_index] is not None
+        others_vmapped = any(d is not None for i, d in enumerate(in_dims) if i not in text_args)
+        if packed or others_vmapped:
+            return _slice_by_slice(op, info.batch_size, in_dims, args)
+        return _folded(op, info.batch_size, in_dims, args, text_args)
+    return rule
+
+
+for _name, (_text_args, _cu_seqlens_index) in _FOLDABLE.items():
+    _op = getattr(torch.ops.lmk_ops, _name).default
+    torch.library.register_vmap(_op, _rule(_op, _text_args, _cu_seqlens_index))

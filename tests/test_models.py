@@ -181,6 +181,34 @@ def test_sentence_transformers_save_and_load_round_trip(tmp_path):
     torch.testing.assert_close(embeddings, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_sentence_transformers_attention_pooling_saves_its_query(tmp_path):
+    sentence_transformers = require("sentence_transformers")
+    from lmk_ops.sentence_transformers import LandmarkPooling
+
+    transformer = sentence_transformers.SentenceTransformer(MODEL_PATH, device="cpu")[0]
+    pooling = LandmarkPooling("attention", normalize=True, dim=384, heads=4)
+    with torch.no_grad():  # as if trained: the query starts at zero, where attention is the mean
+        pooling.pooling.attention.query.copy_(torch.randn(4, 96, generator=torch.Generator().manual_seed(4)))
+    model = sentence_transformers.SentenceTransformer(modules=[transformer, pooling], device="cpu")
+    texts = _texts(torch.Generator().manual_seed(5), count=4, most=100)
+    embeddings = model.encode(texts, convert_to_tensor=True)
+    model.save(str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = sentence_transformers.SentenceTransformer(str(tmp_path), device="cpu", trust_remote_code=True)
+    assert isinstance(loaded[1], LandmarkPooling) and (loaded[1].mode, loaded[1].dim, loaded[1].heads) == (
+        "attention", 384, 4)
+    assert torch.equal(loaded[1].pooling.attention.query, pooling.pooling.attention.query)
+    assert torch.equal(loaded.encode(texts, convert_to_tensor=True), embeddings)
+    # The embeddings are attention pooling of the model's states with that query, normalised.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(MODEL_PATH)
+    batch = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
+    with torch.inference_mode():
+        hidden = transformer.auto_model(**batch).last_hidden_state
+    expected = reference.attention_pool(hidden, batch["attention_mask"].bool(), pooling.pooling.attention.query.detach())
+    torch.testing.assert_close(embeddings, torch.nn.functional.normalize(expected, dim=-1), atol=1e-5, rtol=1e-5)
+
+
 def test_example_script_runs():
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "lmk_minilm.py")], capture_output=True, text=True,
                             env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=600)

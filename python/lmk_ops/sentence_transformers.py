@@ -75,18 +75,24 @@ class LandmarkPooling(Module):
     """A sentence-transformers pooling module backed by :class:`lmk_ops.nn.Pooling`.
 
     Args:
-        mode: "mean", "max", "cls"/"first", "last", "mean_sqrt_len_tokens", "weightedmean" or "lmk" (needs
-            :class:`LandmarkTransformer` before it). Padded or flattened features (``cu_seq_lens_q``) alike.
+        mode: "mean", "max", "cls"/"first", "last", "mean_sqrt_len_tokens", "weightedmean", "lmk" (needs
+            :class:`LandmarkTransformer` before it) or "attention" (a learned query per head, trained with the
+            model; needs ``dim``). Padded or flattened features (``cu_seq_lens_q``) alike.
         normalize: L2-normalise the embeddings inside the op.
+        dim, heads: for "attention": the token states' width and the number of heads (dividing it).
+
+    ``model.save(path)`` writes the config and, for "attention", the query's weights beside it.
     """
 
-    config_keys = ["mode", "normalize"]
+    config_keys = ["mode", "normalize", "dim", "heads"]
 
-    def __init__(self, mode: str = "lmk", normalize: bool = False):
+    def __init__(self, mode: str = "lmk", normalize: bool = False, dim: int | None = None, heads: int = 1):
         super().__init__()
         self.mode = mode
         self.normalize = normalize
-        self.pooling = Pooling(mode, normalize=normalize)
+        self.dim = dim
+        self.heads = heads
+        self.pooling = Pooling(mode, normalize=normalize, dim=dim, heads=heads)
 
     def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
         features["sentence_embedding"] = self.pooling(features["token_embeddings"], features)
@@ -94,3 +100,19 @@ class LandmarkPooling(Module):
 
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
         self.save_config(output_path)
+        if self.mode == "attention":
+            self.save_torch_weights(output_path, safe_serialization=safe_serialization)
+
+    @classmethod
+    def load(cls, model_name_or_path: str, subfolder: str = "", token: bool | str | None = None,
+             cache_folder: str | None = None, revision: str | None = None, local_files_only: bool = False,
+             init_defaults: dict[str, Any] | None = None, **kwargs) -> LandmarkPooling:
+        hub = {"subfolder": subfolder, "token": token, "cache_folder": cache_folder, "revision": revision,
+               "local_files_only": local_files_only}
+        config = cls.load_config(model_name_or_path, **hub)
+        for key, value in (init_defaults or {}).items():  # the saved config wins, as in Module.load
+            config.setdefault(key, value)
+        module = cls(**config)
+        if module.mode == "attention":
+            module = cls.load_torch_weights(model_name_or_path, model=module, **hub)
+        return module

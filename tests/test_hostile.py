@@ -562,6 +562,17 @@ UNCLEAR = [
      r"nn\.AttentionPooling: expected ints heads >= 1 dividing dim >= 1, got dim=384\.0, heads=6"),
     (lambda: lmk_ops.nn.AttentionPooling(384, heads=6, scale=torch.tensor(0.1)),
      r"nn\.AttentionPooling: expected scale as a Python number, got a tensor"),
+    # Yes/no arguments: a string or None was the dispatcher's message, or taken for its truth value.
+    (lambda: lmk_ops.mean_pool(torch.randn(2, 3, 4), normalize="yes"),
+     r"mean_pool: expected normalize as a bool, got 'yes'"),
+    (lambda: lmk_ops.max_pool(torch.randn(2, 3, 4), return_indices=None),
+     r"max_pool: expected return_indices as a bool, got None"),
+    (lambda: lmk_ops.landmark_mean(torch.randn(2, 3, 4), torch.ones(2, 3, dtype=torch.bool), normalize=2),
+     r"landmark_mean: expected normalize as a bool, got 2"),
+    (lambda: lmk_ops.attention_pool(torch.randn(2, 3, 4), None, torch.randn(4), return_weights="no"),
+     r"attention_pool: expected return_weights as a bool, got 'no'"),
+    (lambda: lmk_ops.insert_landmarks(torch.tensor([[101, 5, 102]]), landmark_id=9, keep_trailing="no"),
+     r"insert_landmarks: expected keep_trailing as a bool, got 'no'"),
 ]
 if torch.backends.mkldnn.is_available():
     UNCLEAR.append((lambda: lmk_ops.mean_pool(torch.randn(2, 3, 4).to_mkldnn()),

@@ -43,6 +43,15 @@ def _type_name(value) -> str:
     return "None" if value is None else type(value).__name__
 
 
+def check_flag(op: str, name: str, value) -> bool:
+    """A yes/no argument (normalize, return_weights, ...) as a bool: a bool, or a NumPy bool or an int 0/1 as
+    Python treats them; anything else (a string, None) is refused rather than taken for its truth value."""
+    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+    if isinstance(value, bool) or numpy_bool or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return bool(value)
+    fail(op, f"expected {name} as a bool, got {value!r}")
+
+
 def check_call(op: str, hidden, *, max_seqlen=None, **others) -> None:
     """What the public functions check before calling an op, where the dispatcher would fail unclearly or silently:
     hidden that is not a dense strided tensor, other tensor arguments (by name; query and landmarks required, the

@@ -123,7 +123,7 @@ def _check_flags(name: str, flags, input_ids: Tensor) -> None:
 
 
 def _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leading, num_trailing, max_length,
-                  padding_side, landmark_id, pad_id):
+                  padding_side, landmark_id, pad_id, keep_trailing):
     if not isinstance(input_ids, Tensor):
         _fail(f"expected input_ids as an integer tensor [B, L], got {type(input_ids).__name__}")
     if (input_ids.dim() != 2 or input_ids.is_floating_point() or input_ids.is_complex()
@@ -155,6 +155,8 @@ def _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leadin
     for name, value in (("num_leading", num_leading), ("num_trailing", num_trailing)):
         if not _is_int(value) or value < 0:
             _fail(f"expected {name} as an int >= 0, got {value!r}")
+    if not isinstance(keep_trailing, bool):
+        _fail(f"expected keep_trailing as a bool, got {keep_trailing!r}")
     if padding_side not in (None, "left", "right"):
         _fail(f"expected padding_side 'left', 'right' or None (as the input), got {padding_side!r}")
     if max_length is not None and (not _is_int(max_length) or max_length < 1):
@@ -202,7 +204,7 @@ def insert_landmarks(
         ``max_length`` too short to hold the kept special tokens and one landmark.
     """
     _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leading, num_trailing, max_length,
-                  padding_side, landmark_id, pad_id)
+                  padding_side, landmark_id, pad_id, keep_trailing)
     device = input_ids.device
     batch, seq_len = input_ids.shape
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()

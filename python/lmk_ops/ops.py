@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ._checks import check_call, check_hidden, check_landmarks, check_packed
+from ._checks import check_call, check_flag, check_hidden, check_landmarks, check_packed
 from ._checks import check_packed_mask, check_scale_type, fail
 from . import reference
 from ._dispatch import call as _call
@@ -49,6 +49,7 @@ def mean_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = F
         another shape, device or dtype (float), or mask values other than 0/1.
     """
     check_call("mean_pool", hidden, mask=mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    normalize = check_flag("mean_pool", "normalize", normalize)
     return _call(torch.ops.lmk_ops.mean_pool, hidden, mask, normalize, cu_seqlens, max_seqlen)[0]
 
 
@@ -73,6 +74,8 @@ def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = Fa
         RuntimeError: starting ``lmk_ops.max_pool:``, as for :func:`mean_pool`.
     """
     check_call("max_pool", hidden, mask=mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    normalize = check_flag("max_pool", "normalize", normalize)
+    return_indices = check_flag("max_pool", "return_indices", return_indices)
     values, argmax, _ = _call(torch.ops.lmk_ops.max_pool, hidden, mask, normalize, cu_seqlens, max_seqlen)
     return (values, argmax) if return_indices else values
 
@@ -105,6 +108,7 @@ def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False,
         outside hidden is ever read).
     """
     check_call("landmark_mean", hidden, landmarks=landmarks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    normalize = check_flag("landmark_mean", "normalize", normalize)
     return _call(torch.ops.lmk_ops.landmark_mean, hidden, landmarks, normalize, cu_seqlens, max_seqlen)[0]
 
 
@@ -286,6 +290,7 @@ def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale:
         with ``D = 0``, a query of another shape, dtype or device, or a scale that is not finite.
     """
     check_call("attention_pool", hidden, mask=mask, query=query, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    return_weights = check_flag("attention_pool", "return_weights", return_weights)
     check_scale_type("attention_pool", scale)
     out, _, weights = _call(torch.ops.lmk_ops.attention_pool, hidden, mask, query, scale, return_weights, cu_seqlens,
                             max_seqlen)

@@ -709,3 +709,18 @@ def test_more_than_2_to_the_31_elements():
     assert torch.equal(mean, torch.full((1, 1024), expected).to(torch.bfloat16))
     assert torch.equal(values, torch.full((1, 1024), 3.0, dtype=torch.bfloat16))
     assert (where == seq_len - 1).all()
+    # Packed, the last text's five rows start past element 2^31; attention with a zero query is the mean.
+    rows = hidden.view(seq_len, 1024)
+    offsets = torch.tensor([0, seq_len - 5, seq_len])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tail_mean = lmk_ops.mean_pool(rows, cu_seqlens=offsets)[1]
+        assert torch.equal(tail_mean, torch.full((1024,), 7 / 5).to(torch.bfloat16))
+        assert (lmk_ops.max_pool(rows, cu_seqlens=offsets, return_indices=True)[1][1] == 4).all()
+        assert (lmk_ops.last_token_pool(rows, cu_seqlens=offsets)[1] == 3).all()
+        query = torch.zeros(16, 64, dtype=torch.bfloat16)
+        assert torch.equal(lmk_ops.attention_pool(rows, None, query, cu_seqlens=offsets)[1], tail_mean)
+        # The max's gradient is written past element 2^31 too.
+        h = hidden.requires_grad_()
+        (grad,) = torch.autograd.grad(lmk_ops.max_pool(h).sum(), h)
+    assert (grad[0, -1] == 1).all() and not grad[0, :-1].any()

@@ -109,10 +109,7 @@ class LandmarkPooling(Module):
              init_defaults: dict[str, Any] | None = None, **kwargs) -> LandmarkPooling:
         hub = {"subfolder": subfolder, "token": token, "cache_folder": cache_folder, "revision": revision,
                "local_files_only": local_files_only}
-        config = cls.load_config(model_name_or_path, **hub)
-        for key, value in (init_defaults or {}).items():  # the saved config wins, as in Module.load
-            config.setdefault(key, value)
-        module = cls(**config)
+        module = super().load(model_name_or_path, init_defaults=init_defaults, **hub, **kwargs)  # from its config
         if module.mode == "attention":
             module = cls.load_torch_weights(model_name_or_path, model=module, **hub)
         return module

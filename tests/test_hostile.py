@@ -14,6 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import lmk_ops
+import lmk_ops.hf
 from lmk_ops import reference
 
 from devices import DEVICES
@@ -573,6 +574,9 @@ UNCLEAR = [
      r"attention_pool: expected return_weights as a bool, got 'no'"),
     (lambda: lmk_ops.insert_landmarks(torch.tensor([[101, 5, 102]]), landmark_id=9, keep_trailing="no"),
      r"insert_landmarks: expected keep_trailing as a bool, got 'no'"),
+    # "no" was taken for True (packed); the flag is checked before the tokenizer is used.
+    (lambda: lmk_ops.hf.tokenize_with_landmarks(None, "a text", packed="no"),
+     r"hf\.tokenize_with_landmarks: expected packed as a bool, got 'no'"),
 ]
 if torch.backends.mkldnn.is_available():
     UNCLEAR.append((lambda: lmk_ops.mean_pool(torch.randn(2, 3, 4).to_mkldnn()),

@@ -1,6 +1,7 @@
 """insert_landmarks: property tests on random left/right-padded batches (against the per-row reference and against
 the layout rules themselves), training intervals, sentence placement, and real tokenizer output."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -121,6 +122,10 @@ def test_truncation_without_a_surviving_landmark_makes_the_last_position_one():
     assert out.input_ids.tolist() == [[CLS, *range(1000, 1007), 7, SEP]]
     with pytest.raises(ValueError, match=r"^lmk_ops\.insert_landmarks: expected max_length >= 1 leading \+ 1 trailing"):
         lmk_ops.insert_landmarks(ids, landmark_id=7, max_length=2, keep_trailing=True)
+    # keep_trailing takes the yes/no forms the ops' flags take: an int 0/1 or a NumPy bool.
+    for flag in (1, np.bool_(True)):
+        again = lmk_ops.insert_landmarks(ids, landmark_id=7, interval=32, max_length=10, keep_trailing=flag)
+        assert again.input_ids.tolist() == out.input_ids.tolist()
 
 
 def test_sentence_placement():

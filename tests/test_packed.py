@@ -44,7 +44,7 @@ FUNCTIONS = {
 
 def _longest(hidden, packed):
     """The longest text's length: padded L, or from a packed batch's offsets."""
-    if not packed:
+    if packed.get("cu_seqlens") is None:
         return hidden.shape[1]
     offsets = packed["cu_seqlens"]
     return int((offsets[1:] - offsets[:-1]).max())
@@ -52,7 +52,7 @@ def _longest(hidden, packed):
 
 def _all(hidden, packed):
     """A landmark mask selecting every token (landmark ops need one)."""
-    shape = hidden.shape[:1] if packed else hidden.shape[:2]
+    shape = hidden.shape[:2] if packed.get("cu_seqlens") is None else hidden.shape[:1]
     return torch.ones(shape, dtype=torch.bool, device=hidden.device)
 
 
@@ -243,6 +243,21 @@ def test_landmark_gather_refuses_a_short_max_seqlen_under_compile():
     assert all(torch.equal(a, b) for a, b in zip(gather(hidden, positions, offsets, 4), expected))
     with pytest.raises(RuntimeError, match=r"lmk_ops.landmark_gather: expected every text at most max_seqlen = 3 "):
         gather(hidden, positions, offsets, 3)
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+@pytest.mark.parametrize("how", ["eager", "meta", "compiled"])
+def test_max_seqlen_without_cu_seqlens_is_refused(name, how):
+    """max_seqlen is a packed batch's hint: on a padded call it used to be ignored, hiding a forgotten cu_seqlens."""
+    hidden = torch.randn(2, 5, 4, device="meta" if how == "meta" else "cpu")
+    call = partial(lambda h, **packed: FUNCTIONS[name](h, None, **packed), max_seqlen=5)
+    if how == "compiled":
+        torch._dynamo.reset()
+        call = torch.compile(call, fullgraph=True)
+    op = name.split("+")[0].split("@")[0]
+    with pytest.raises(Exception, match=rf"lmk_ops\.{op}: expected max_seqlen only with cu_seqlens \(a packed "
+                                        rf"batch\), got max_seqlen = 5 for a padded hidden of shape \[2, 5, 4\]"):
+        call(hidden)
 
 
 def test_bad_packed_inputs_name_the_op():

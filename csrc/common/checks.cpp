@@ -37,8 +37,12 @@ static void check_hidden_layout(const char* op, const Tensor& hidden, int64_t di
       ": expected hidden of dtype float16, bfloat16, float32 or float64, got ", hidden.scalar_type());
 }
 
-void check_hidden(const char* op, const Tensor& hidden) {
+void check_hidden(const char* op, const Tensor& hidden, std::optional<int64_t> max_seqlen) {
   check_hidden_layout(op, hidden, 3, "hidden of shape [B, L, D] (3-D)");
+  // A hint for packed batches only: taken silently here, it would hide a call that forgot cu_seqlens.
+  LMK_CHECK(
+      !max_seqlen.has_value(), "lmk_ops.", op, ": expected max_seqlen only with cu_seqlens (a packed batch), got ",
+      "max_seqlen = ", max_seqlen.value_or(0), " for a padded hidden of shape ", shape_str(hidden.sizes()));
 }
 
 void check_packed_hidden(const char* op, const Tensor& hidden) {

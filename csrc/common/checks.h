@@ -8,8 +8,9 @@
 
 namespace lmk_ops {
 
-// hidden: a [B, L, D] tensor of float16, bfloat16, float32 or float64 (any strides).
-void check_hidden(const char* op, const Tensor& hidden);
+// hidden: a [B, L, D] tensor of float16, bfloat16, float32 or float64 (any strides); max_seqlen, which only a
+// packed batch takes, absent.
+void check_hidden(const char* op, const Tensor& hidden, std::optional<int64_t> max_seqlen = std::nullopt);
 
 // hidden: the same, [T, D], for a packed batch.
 void check_packed_hidden(const char* op, const Tensor& hidden);

@@ -67,7 +67,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_pool(const Tensor& hidden_in, const
     const Tensor valid = prepare_packed_mask(op, mask, packed, hidden);
     return attention_forward(view, packed_rows(packed, valid), query, heads, s, return_weights);
   }
-  check_hidden(op, hidden);
+  check_hidden(op, hidden, max_seqlen);
   const Heads heads = check_query(op, query, hidden);
   const double s = resolve_scale(op, scale, heads.dim);
   const Tensor valid = prepare_mask(op, mask, hidden.size(0), hidden.size(1), hidden);
@@ -123,7 +123,7 @@ std::tuple<Tensor, Tensor> attention_pool_backward(
     const Tensor valid = prepare_packed_mask(op, mask, packed, hidden, Values::kTrusted);
     return attention_backward(grad, gw, view, packed_rows(packed, valid), query, heads, out, stats, s);
   }
-  check_hidden(op, hidden);
+  check_hidden(op, hidden, max_seqlen);
   const Heads heads = check_query(op, query, hidden);
   const double s = resolve_scale(op, scale, heads.dim);
   const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);

@@ -22,7 +22,7 @@ std::tuple<Tensor, Tensor> landmark_mean(const Tensor& hidden, const Tensor& lan
     const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen);
     return mean_of_rows(packed.batch_view(hidden), prepare_packed_landmarks(op, landmarks, packed, hidden), normalize);
   }
-  check_hidden(op, hidden);
+  check_hidden(op, hidden, max_seqlen);
   const RowSelection rows = prepare_landmarks(op, landmarks, hidden.size(0), hidden.size(1), hidden);
   return mean_of_rows(hidden, rows, normalize);
 }

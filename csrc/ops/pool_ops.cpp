@@ -23,7 +23,7 @@ std::tuple<Tensor, Tensor> mean_pool(const Tensor& hidden, const std::optional<T
     const Tensor valid = prepare_packed_mask(op, mask, packed, hidden);
     return mean_of_rows(packed.batch_view(hidden), packed.selection(valid), normalize);
   }
-  check_hidden(op, hidden);
+  check_hidden(op, hidden, max_seqlen);
   const RowSelection rows{prepare_mask(op, mask, hidden.size(0), hidden.size(1), hidden), Tensor()};
   return mean_of_rows(hidden, rows, normalize);
 }
@@ -86,7 +86,7 @@ std::tuple<Tensor, Tensor, Tensor> max_pool(const Tensor& hidden, const std::opt
     // The kernels found absolute rows of hidden; the op returns positions from each text's start.
     return {out, packed.relative(rows), pooled};
   }
-  check_hidden(op, hidden);
+  check_hidden(op, hidden, max_seqlen);
   check_argmax_rows(op, "L", hidden.size(1));
   return max_of_rows(hidden, {prepare_mask(op, mask, hidden.size(0), hidden.size(1), hidden), Tensor()},
                      normalize);

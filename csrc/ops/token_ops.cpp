@@ -82,7 +82,7 @@ std::tuple<Tensor, Tensor> token_pool(const Tensor& hidden, const std::optional<
     std::tie(rows, positions) = find_rows(valid, packed.starts, packed.lengths, hidden.size(0), last);
     view = packed.batch_view(hidden);
   } else {
-    check_hidden(op, hidden);
+    check_hidden(op, hidden, max_seqlen);
     const int64_t batch = hidden.size(0), seq_len = hidden.size(1);
     const Tensor valid = prepare_mask(op, mask, batch, seq_len, hidden);
     // The padded batch as texts of L rows each, one after another.

@@ -43,13 +43,18 @@ def _type_name(value) -> str:
     return "None" if value is None else type(value).__name__
 
 
-def check_flag(op: str, name: str, value) -> bool:
-    """A yes/no argument (normalize, return_weights, ...) as a bool: a bool, or a NumPy bool or an int 0/1 as
-    Python treats them; anything else (a string, None) is refused rather than taken for its truth value."""
+def is_flag(value) -> bool:
+    """Whether value is a yes/no argument: a bool, or a NumPy bool or an int 0/1 as Python treats them; anything
+    else (a string, None) is refused rather than taken for its truth value."""
     numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
-    if isinstance(value, bool) or numpy_bool or (isinstance(value, numbers.Integral) and value in (0, 1)):
-        return bool(value)
-    fail(op, f"expected {name} as a bool, got {value!r}")
+    return isinstance(value, bool) or numpy_bool or (isinstance(value, numbers.Integral) and value in (0, 1))
+
+
+def check_flag(op: str, name: str, value) -> bool:
+    """A yes/no argument (normalize, return_weights, ...) as a bool (see is_flag)."""
+    if not is_flag(value):
+        fail(op, f"expected {name} as a bool, got {value!r}")
+    return bool(value)
 
 
 def check_call(op: str, hidden, *, max_seqlen=None, **others) -> None:
@@ -92,11 +97,14 @@ def check_call(op: str, hidden, *, max_seqlen=None, **others) -> None:
              "(torch.vmap works)")
 
 
-def check_hidden(op: str, hidden: torch.Tensor) -> None:
+def check_hidden(op: str, hidden: torch.Tensor, max_seqlen=None) -> None:
     if hidden.dim() != 3:
         fail(op, f"expected hidden of shape [B, L, D] (3-D), got a {hidden.dim()}-D tensor of shape {_shape(hidden)}")
     if hidden.dtype not in _FLOATS:
         fail(op, f"expected hidden of dtype float16, bfloat16, float32 or float64, got {dtype_name(hidden.dtype)}")
+    if max_seqlen is not None:  # a packed batch's hint: taken silently, it would hide a call that forgot cu_seqlens
+        fail(op, f"expected max_seqlen only with cu_seqlens (a packed batch), got max_seqlen = {max_seqlen} for a "
+                 f"padded hidden of shape {_shape(hidden)}")
 
 
 def check_pooled_grad(op: str, grad: torch.Tensor) -> None:

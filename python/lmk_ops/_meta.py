@@ -40,7 +40,7 @@ def _mean_pool_fake(hidden, mask=None, normalize=False, cu_seqlens=None, max_seq
         batch = check_packed("mean_pool", hidden, cu_seqlens, max_seqlen)
         check_packed_mask("mean_pool", mask, hidden.shape[0], hidden)
         return _pooled(hidden, batch), _unnormalized(hidden, normalize, batch)
-    check_hidden("mean_pool", hidden)
+    check_hidden("mean_pool", hidden, max_seqlen)
     check_mask("mean_pool", mask, hidden.shape[0], hidden.shape[1], hidden)
     return _pooled(hidden), _unnormalized(hidden, normalize)
 
@@ -64,7 +64,7 @@ def _max_pool_fake(hidden, mask=None, normalize=False, cu_seqlens=None, max_seql
         check_packed_mask("max_pool", mask, hidden.shape[0], hidden)
         pooled = _pooled(hidden, batch)
         return pooled, pooled.to(torch.int32), _unnormalized(hidden, normalize, batch)
-    check_hidden("max_pool", hidden)
+    check_hidden("max_pool", hidden, max_seqlen)
     check_mask("max_pool", mask, hidden.shape[0], hidden.shape[1], hidden)
     return _pooled(hidden), _pooled(hidden).to(torch.int32), _unnormalized(hidden, normalize)
 
@@ -85,7 +85,7 @@ def _landmark_mean_fake(hidden, landmarks, normalize=False, cu_seqlens=None, max
         batch = check_packed("landmark_mean", hidden, cu_seqlens, max_seqlen)
         check_landmarks("landmark_mean", landmarks, batch, hidden.shape[0], hidden, packed=True)
         return _pooled(hidden, batch), _unnormalized(hidden, normalize, batch)
-    check_hidden("landmark_mean", hidden)
+    check_hidden("landmark_mean", hidden, max_seqlen)
     check_landmarks("landmark_mean", landmarks, hidden.shape[0], hidden.shape[1], hidden)
     return _pooled(hidden), _unnormalized(hidden, normalize)
 
@@ -140,7 +140,7 @@ def _token_pool_fake(hidden, mask=None, last=False, cu_seqlens=None, max_seqlen=
         batch = check_packed(op, hidden, cu_seqlens, max_seqlen)
         check_packed_mask(op, mask, hidden.shape[0], hidden)
     else:
-        check_hidden(op, hidden)
+        check_hidden(op, hidden, max_seqlen)
         batch = hidden.shape[0]
         check_mask(op, mask, batch, hidden.shape[1], hidden)
     return _pooled(hidden, batch), hidden.new_empty((batch, 1), dtype=torch.int64)
@@ -162,7 +162,7 @@ def _attention_pool_fake(hidden, mask, query, scale=None, return_weights=False, 
         check_packed_mask(op, mask, seq_len, hidden)
         weights_shape = (heads, seq_len)
     else:
-        check_hidden(op, hidden)
+        check_hidden(op, hidden, max_seqlen)
         heads, _ = check_query(op, query, hidden)
         check_mask(op, mask, hidden.shape[0], hidden.shape[1], hidden)
         batch, seq_len = hidden.shape[0], hidden.shape[1]
@@ -181,7 +181,7 @@ def _attention_pool_backward_fake(grad_out, grad_weights, hidden, mask, query, o
         (seq_len, dim), view = hidden.shape, hidden.unsqueeze(0)
         check_packed_mask(op, mask, seq_len, hidden)
     else:
-        check_hidden(op, hidden)
+        check_hidden(op, hidden, max_seqlen)
         (batch, seq_len, dim), view = hidden.shape, hidden
         check_mask(op, mask, batch, seq_len, hidden)
     heads, _ = check_query(op, query, view)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ._checks import is_flag
 from .landmarks import PAPER_TRAINING_INTERVALS, LandmarkBatch, PackedLandmarkBatch, insert_landmarks, sample_intervals
 
 __all__ = ["PAPER_TRAINING_INTERVALS", "add_landmark_token", "insert_for_tokenizer", "landmark_token_id", "simple_sentence_ends", "special_token_layout",
@@ -129,6 +130,8 @@ def tokenize_with_landmarks(
     if not texts or not all(isinstance(t, str) for t in texts):
         raise ValueError(f"lmk_ops.hf.tokenize_with_landmarks: expected a string or a non-empty list of strings, got "
                          f"{texts if not texts else [type(t).__name__ for t in texts]}")
+    if not is_flag(packed):  # "no" would be taken for True
+        raise ValueError(f"lmk_ops.hf.tokenize_with_landmarks: expected packed as a bool, got {packed!r}")
     if max_length is None and getattr(tokenizer, "model_max_length", None) and tokenizer.model_max_length < 10**6:
         max_length = tokenizer.model_max_length
     want_offsets = sentence_ends is not None

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ._checks import is_flag
+
 __all__ = ["LandmarkBatch", "PackedLandmarkBatch", "insert_landmarks", "sample_intervals"]
 
 PAPER_TRAINING_INTERVALS = (32, 64, 128, 256)
@@ -155,7 +157,7 @@ def _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leadin
     for name, value in (("num_leading", num_leading), ("num_trailing", num_trailing)):
         if not _is_int(value) or value < 0:
             _fail(f"expected {name} as an int >= 0, got {value!r}")
-    if not isinstance(keep_trailing, bool):
+    if not is_flag(keep_trailing):
         _fail(f"expected keep_trailing as a bool, got {keep_trailing!r}")
     if padding_side not in (None, "left", "right"):
         _fail(f"expected padding_side 'left', 'right' or None (as the input), got {padding_side!r}")
@@ -205,6 +207,7 @@ def insert_landmarks(
     """
     _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leading, num_trailing, max_length,
                   padding_side, landmark_id, pad_id, keep_trailing)
+    keep_trailing = bool(keep_trailing)
     device = input_ids.device
     batch, seq_len = input_ids.shape
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()

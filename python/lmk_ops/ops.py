@@ -213,7 +213,7 @@ def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | N
             check_landmarks(op, landmarks, batch, hidden.shape[0], hidden, packed=True)
             landmarks = landmark_positions(landmarks, num_landmarks, cu_seqlens=cu_seqlens)
     else:
-        check_hidden(op, hidden)
+        check_hidden(op, hidden, max_seqlen)
         if isinstance(landmarks, Tensor) and landmarks.dtype == torch.bool:
             check_landmarks(op, landmarks, hidden.shape[0], hidden.shape[1], hidden)
             landmarks = landmark_positions(landmarks, num_landmarks)

@@ -574,6 +574,23 @@ UNCLEAR = [
      r"attention_pool: expected return_weights as a bool, got 'no'"),
     (lambda: lmk_ops.insert_landmarks(torch.tensor([[101, 5, 102]]), landmark_id=9, keep_trailing="no"),
      r"insert_landmarks: expected keep_trailing as a bool, got 'no'"),
+    # nn.Pooling('weightedmean') is plain PyTorch: it computed with an integer hidden, a float mask or a mask value
+    # of 2, and failed inside torch.bmm on a wrong shape.
+    (lambda: lmk_ops.nn.Pooling("weightedmean")(torch.ones(2, 3, 4, dtype=torch.long)),
+     r"nn\.Pooling\('weightedmean'\): expected hidden of dtype float16, bfloat16, float32 or float64, got Long"),
+    (lambda: lmk_ops.nn.Pooling("weightedmean")(torch.randn(3, 4), attention_mask=torch.ones(3, dtype=torch.bool)),
+     r"nn\.Pooling\('weightedmean'\): expected hidden of shape \[B, L, D\] \(3-D\), got a 2-D tensor"),
+    (lambda: lmk_ops.nn.Pooling("weightedmean")(torch.randn(2, 3, 4), attention_mask=torch.ones(2, 3)),
+     r"nn\.Pooling\('weightedmean'\): expected mask of dtype bool or an integer dtype holding 0/1, got Float"),
+    (lambda: lmk_ops.nn.Pooling("weightedmean")(torch.randn(2, 3, 4), attention_mask=torch.tensor([[1, 2, 0]] * 2)),
+     r"nn\.Pooling\('weightedmean'\): expected mask values 0 or 1, got 2 at \[0, 1\]"),
+    (lambda: lmk_ops.nn.Pooling("weightedmean")(torch.randn(2, 3, 4), attention_mask=torch.ones(2, 4, dtype=torch.bool)),
+     r"nn\.Pooling\('weightedmean'\): expected mask of shape \[B, L\] = \[2, 3\], got \[2, 4\]"),
+    # normalize="no" normalised the modes nn.Pooling normalises itself (cls, last, attention, weightedmean, ...);
+    # heads were taken and ignored outside attention.
+    (lambda: lmk_ops.nn.Pooling("cls", normalize="no"), r"nn\.Pooling: expected normalize as a bool, got 'no'"),
+    (lambda: lmk_ops.nn.Pooling("mean", heads=4),
+     r"nn\.Pooling: expected dim \(the token states' width\) and heads for mode='attention' and for no other mode"),
     # "no" was taken for True (packed); the flag is checked before the tokenizer is used.
     (lambda: lmk_ops.hf.tokenize_with_landmarks(None, "a text", packed="no"),
      r"hf\.tokenize_with_landmarks: expected packed as a bool, got 'no'"),

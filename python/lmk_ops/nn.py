@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from ._checks import check_scale_type
+from ._checks import check_call, check_scale_type, is_flag
 
 __all__ = ["AttentionPooling", "Pooling"]
 
@@ -134,11 +134,13 @@ class Pooling(torch.nn.Module):
         super().__init__()
         if mode not in self.MODES:
             raise ValueError(f"lmk_ops.nn.Pooling: expected mode in {self.MODES}, got {mode!r}")
-        if (mode == "attention") != (dim is not None):
-            raise ValueError("lmk_ops.nn.Pooling: expected dim (the token states' width) for mode='attention' and "
-                             f"for no other mode, got mode={mode!r}, dim={dim}")
+        if (mode == "attention") != (dim is not None) or (mode != "attention" and heads != 1):
+            raise ValueError("lmk_ops.nn.Pooling: expected dim (the token states' width) and heads for "
+                             f"mode='attention' and for no other mode, got mode={mode!r}, dim={dim}, heads={heads}")
+        if not is_flag(normalize):  # "no" would be taken for True by the modes normalised here
+            raise ValueError(f"lmk_ops.nn.Pooling: expected normalize as a bool, got {normalize!r}")
         self.mode = mode
-        self.normalize = normalize
+        self.normalize = bool(normalize)
         self.attention = AttentionPooling(dim, heads) if mode == "attention" else None
 
     def extra_repr(self) -> str:
@@ -202,11 +204,13 @@ def _weighted_mean(hidden: Tensor, mask: Tensor | None, packed: dict) -> Tensor:
     """sentence-transformers' weightedmean: valid token i (0-based, among the text's valid tokens) weighted i + 1,
     sum(w x) / sum(w) in float32 (float64 for float64). Plain PyTorch, not a fused kernel: a batched matrix product
     over the padded layout (a packed batch is copied into it first)."""
-    wide = torch.promote_types(hidden.dtype, torch.float32)
+    op = "nn.Pooling('weightedmean')"
+    check_call(op, hidden, mask=mask, **packed)
     if packed:
-        hidden, mask = ops.packed_as_padded("nn.Pooling('weightedmean')", hidden, mask, packed["cu_seqlens"],
-                                             packed.get("max_seqlen"))
-    valid = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device) if mask is None else mask != 0
+        hidden, valid = ops.packed_as_padded(op, hidden, mask, packed["cu_seqlens"], packed.get("max_seqlen"))
+    else:
+        valid = ops.padded_valid(op, hidden, mask)
+    wide = torch.promote_types(hidden.dtype, torch.float32)
     weights = (valid.long().cumsum(1) * valid).to(wide)
     total = torch.bmm(weights.unsqueeze(1), hidden.to(wide)).squeeze(1)
     return (total / weights.sum(1, keepdim=True).clamp_min(1e-9)).to(hidden.dtype)

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ._checks import check_call, check_flag, check_hidden, check_landmarks, check_packed
+from ._checks import check_call, check_flag, check_hidden, check_landmarks, check_mask, check_packed
 from ._checks import check_packed_mask, check_scale_type, fail
 from . import reference
 from ._dispatch import call as _call
@@ -245,6 +245,17 @@ def last_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: T
     """
     check_call("last_token_pool", hidden, mask=mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     return _call(torch.ops.lmk_ops.token_pool, hidden, mask, True, cu_seqlens, max_seqlen)[0]
+
+
+def padded_valid(op: str, hidden: Tensor, mask: Tensor | None) -> Tensor:
+    """A padded batch's hidden [B, L, D] and mask, checked as the ops check them (errors naming op): the valid tokens
+    as a bool [B, L] mask."""
+    check_hidden(op, hidden)
+    check_mask(op, mask, hidden.shape[0], hidden.shape[1], hidden)
+    if mask is None:
+        return torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+    # 0/1 checked by an op: the same failure eager and compiled
+    return mask if mask.dtype == torch.bool else torch.ops.lmk_ops.valid_mask(mask, op)
 
 
 def packed_as_padded(op: str, hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor, max_seqlen: int | None):

@@ -233,6 +233,17 @@ def test_sentence_ends_outside_the_text_are_a_clear_error(tokenizer, ends):
         hf.tokenize_with_landmarks(tokenizer, ["One. Two"], sentence_ends=ends)
 
 
+@pytest.mark.parametrize("interval", [0, 2.5, "32", None])
+def test_landmark_transformer_refuses_a_bad_interval_when_built(interval):
+    require("sentence_transformers")
+    from lmk_ops.sentence_transformers import LandmarkTransformer
+
+    # It used to be kept, and to fail at the first encode().
+    with pytest.raises(ValueError, match=r"^lmk_ops\.sentence_transformers\.LandmarkTransformer: expected interval "
+                                         r"as an int >= 1, got "):
+        LandmarkTransformer(MODEL_PATH, interval=interval)
+
+
 def test_landmark_transformer_does_not_warn_about_texts_it_truncates(caplog):
     require("sentence_transformers")
     from lmk_ops.sentence_transformers import LandmarkTransformer

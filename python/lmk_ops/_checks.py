@@ -50,6 +50,13 @@ def is_flag(value) -> bool:
     return isinstance(value, bool) or numpy_bool or (isinstance(value, numbers.Integral) and value in (0, 1))
 
 
+def is_int(value) -> bool:
+    """A Python or NumPy integer (or a 0-d integer tensor), not a bool or a float."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not value.is_floating_point() and value.dtype != torch.bool
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_flag(op: str, name: str, value) -> bool:
     """A yes/no argument (normalize, return_weights, ...) as a bool (see is_flag)."""
     if not is_flag(value):

@@ -12,14 +12,13 @@ chunk ends before it (a cumulative sum), and one scatter writes the new batch.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ._checks import is_flag
+from ._checks import is_flag, is_int
 
 __all__ = ["LandmarkBatch", "PackedLandmarkBatch", "insert_landmarks", "sample_intervals"]
 
@@ -94,10 +93,10 @@ def sample_intervals(batch: int, choices: Sequence[int] = PAPER_TRAINING_INTERVA
     Pass a seeded ``torch.Generator`` for reproducible runs. Returns int64 ``[batch]`` on the CPU.
     """
     values = list(choices)
-    if not values or not all(_is_int(v) and v >= 1 for v in values):
+    if not values or not all(is_int(v) and v >= 1 for v in values):
         raise ValueError(f"lmk_ops.sample_intervals: expected a non-empty list of integer intervals >= 1, got "
                          f"{values}")
-    if not _is_int(batch) or batch < 0:
+    if not is_int(batch) or batch < 0:
         raise ValueError(f"lmk_ops.sample_intervals: expected batch as an int >= 0, got {batch!r}")
     options = torch.tensor([int(v) for v in values], dtype=torch.long)
     return options[torch.randint(len(options), (batch,), generator=generator)]
@@ -105,13 +104,6 @@ def sample_intervals(batch: int, choices: Sequence[int] = PAPER_TRAINING_INTERVA
 
 def _fail(message: str) -> None:
     raise ValueError(f"lmk_ops.insert_landmarks: {message}")
-
-
-def _is_int(value) -> bool:
-    """A Python or NumPy integer (or a 0-d integer tensor), not a bool or a float."""
-    if isinstance(value, Tensor):
-        return value.dim() == 0 and not value.is_floating_point() and value.dtype != torch.bool
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check_flags(name: str, flags, input_ids: Tensor) -> None:
@@ -136,7 +128,7 @@ def _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leadin
     if attention_mask is not None:
         _check_flags("attention_mask", attention_mask, input_ids)
     for name, value in (("landmark_id", landmark_id), ("pad_id", pad_id)):
-        if not _is_int(value):
+        if not is_int(value):
             _fail(f"expected {name} as an int, got {value!r}")
         if value < 0:  # a token id indexes the vocabulary
             _fail(f"expected {name} as a token id >= 0, got {value}")
@@ -152,16 +144,16 @@ def _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leadin
         if interval.shape != (input_ids.shape[0],) or bool((interval < 1).any()):
             _fail(f"expected per-row intervals as a [B] = [{input_ids.shape[0]}] tensor of values >= 1, "
                   f"got {interval.tolist()}")
-    elif not _is_int(interval) or interval < 1:
+    elif not is_int(interval) or interval < 1:
         _fail(f"expected interval >= 1 (an int, or a [B] integer tensor per row), got {interval!r}")
     for name, value in (("num_leading", num_leading), ("num_trailing", num_trailing)):
-        if not _is_int(value) or value < 0:
+        if not is_int(value) or value < 0:
             _fail(f"expected {name} as an int >= 0, got {value!r}")
     if not is_flag(keep_trailing):
         _fail(f"expected keep_trailing as a bool, got {keep_trailing!r}")
     if padding_side not in (None, "left", "right"):
         _fail(f"expected padding_side 'left', 'right' or None (as the input), got {padding_side!r}")
-    if max_length is not None and (not _is_int(max_length) or max_length < 1):
+    if max_length is not None and (not is_int(max_length) or max_length < 1):
         _fail(f"expected max_length as an int >= 1 or None, got {max_length!r}")
 
 

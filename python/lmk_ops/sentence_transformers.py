@@ -18,6 +18,7 @@ import torch
 from sentence_transformers.base.modules.module import Module
 from sentence_transformers.base.modules.transformer import Transformer
 
+from ._checks import is_int
 from .hf import insert_for_tokenizer, landmark_token_id, special_token_layout
 from .nn import Pooling
 
@@ -38,9 +39,12 @@ class LandmarkTransformer(Transformer):
     config_keys = [*Transformer.config_keys, "landmark_token", "interval"]
 
     def __init__(self, model_name_or_path: str, *, landmark_token: str | None = None, interval: int = 32, **kwargs):
+        if not is_int(interval) or interval < 1:  # else the first encode() would fail, far from here
+            raise ValueError(f"lmk_ops.sentence_transformers.LandmarkTransformer: expected interval as an int >= 1, "
+                             f"got {interval!r}")
         super().__init__(model_name_or_path, **kwargs)
         self.landmark_token = landmark_token
-        self.interval = interval
+        self.interval = int(interval)
         self._landmark_id = landmark_token_id(self.tokenizer, landmark_token)
         self._layout = special_token_layout(self.tokenizer)
 
@@ -88,11 +92,11 @@ class LandmarkPooling(Module):
 
     def __init__(self, mode: str = "lmk", normalize: bool = False, dim: int | None = None, heads: int = 1):
         super().__init__()
+        self.pooling = Pooling(mode, normalize=normalize, dim=dim, heads=heads)  # checks the arguments
         self.mode = mode
-        self.normalize = normalize
+        self.normalize = self.pooling.normalize  # a bool, as the saved config holds it
         self.dim = dim
         self.heads = heads
-        self.pooling = Pooling(mode, normalize=normalize, dim=dim, heads=heads)
 
     def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
         features["sentence_embedding"] = self.pooling(features["token_embeddings"], features)

@@ -3,6 +3,7 @@ contracts define: repeated and padded positions, texts without landmarks, readin
 
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -131,6 +132,12 @@ def test_landmark_positions():
     mask = torch.tensor([[0, 1, 0, 1, 1], [0, 0, 0, 0, 0], [1, 0, 0, 0, 0]]).bool()
     assert lmk_ops.landmark_positions(mask).tolist() == [[1, 3, 4], [-1, -1, -1], [0, -1, -1]]
     assert lmk_ops.landmark_positions(mask, 4).tolist() == [[1, 3, 4, -1], [-1] * 4, [0, -1, -1, -1]]
+    # K as a NumPy integer (a config value, an array's max) counts as an int, as max_seqlen does; a float does not.
+    assert lmk_ops.landmark_positions(mask, np.int64(4)).tolist() == [[1, 3, 4, -1], [-1] * 4, [0, -1, -1, -1]]
+    assert lmk_ops.landmark_gather(torch.randn(3, 5, 2), mask, num_landmarks=np.int32(3))[0].shape == (3, 3, 2)
+    with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_positions: expected num_landmarks as an int >= 0 "
+                                           r"\(or None\), got 4\.0"):
+        lmk_ops.landmark_positions(mask, 4.0)
     with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_positions: expected at most num_landmarks = 2 "
                                            r"landmarks per row, got 3 in row 0"):
         lmk_ops.landmark_positions(mask, 2)

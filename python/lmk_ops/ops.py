@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
@@ -144,9 +146,10 @@ def landmark_positions(landmark_mask: Tensor, num_landmarks: int | None = None, 
     if not isinstance(landmark_mask, Tensor) or landmark_mask.dtype != torch.bool or landmark_mask.dim() != rank_dims:
         fail(op, f"expected a bool landmark mask of shape {'[T]' if rank_dims == 1 else '[B, L]'}, got "
                  f"{getattr(landmark_mask, 'dtype', None)} of shape {list(getattr(landmark_mask, 'shape', []))}")
-    if num_landmarks is not None and (isinstance(num_landmarks, bool) or not isinstance(num_landmarks, int)
-                                      or num_landmarks < 0):
-        fail(op, f"expected num_landmarks as an int >= 0 (or None), got {num_landmarks!r}")
+    if num_landmarks is not None and not isinstance(num_landmarks, torch.SymInt):
+        if isinstance(num_landmarks, bool) or not isinstance(num_landmarks, numbers.Integral) or num_landmarks < 0:
+            fail(op, f"expected num_landmarks as an int >= 0 (or None), got {num_landmarks!r}")
+        num_landmarks = int(num_landmarks)  # a NumPy integer too
     device = landmark_mask.device
     if cu_seqlens is not None:
         # Each token's text and its rank among the text's landmarks, from one running count.

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import pathlib
 
+import pytest
 import torch
 
 from lmk_ops import bench
@@ -66,3 +68,27 @@ def test_precompile_fills_the_compile_cache_the_report_then_loads(monkeypatch):
     counters.clear()
     bench._compile_cases([case], "cpu", 0.0, torch.get_num_threads())
     assert counters["inductor"]["fxgraph_cache_hit"] >= 1 and counters["inductor"]["fxgraph_cache_miss"] == 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--shapes", "0x16x64"], r"expected shapes like 32x512x768\[,8x4096x1024\], sizes >= 1, got '0x16x64'"),
+    (["--packed", "3x0-0x64"], r"expected a packed batch like 120x16-2048x768 \(B, the longest text and D >= 1"),
+    (["--json", "{blocked}/report.json"], r"--json: cannot create the folder .*blocked"),
+    (["--json", "{tmp}"], r"--json: expected a file path, got the folder"),
+])
+def test_bad_arguments_fail_before_anything_is_timed(args, message, tmp_path, capsys):
+    # A zero size used to time empty tensors; an unwritable --json path failed after the whole report.
+    (tmp_path / "blocked").write_text("a file where the folder would go")
+    args = [a.format(blocked=tmp_path / "blocked", tmp=tmp_path) for a in args]
+    with pytest.raises(SystemExit):
+        bench.main([*args, "--ops", "mean_pool", "--dtype", "float32"])
+    _, err = capsys.readouterr()
+    assert re.search(message, err), err
+    assert "[1/" not in err
+
+
+def test_json_folders_are_created(tmp_path):
+    path = tmp_path / "new" / "folder" / "report.json"
+    bench.main(["--shapes", "1x4x8", "--ops", "first_token_pool", "--dtype", "float32", "--packed", "none",
+                "--json", str(path)])
+    assert json.loads(path.read_text())["rows"]

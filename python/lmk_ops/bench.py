@@ -15,6 +15,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
@@ -382,8 +383,10 @@ def parse_packed(text: str):
         return None
     parts = text.lower().split("x")
     span = parts[1].split("-") if len(parts) == 3 else []
-    if len(span) != 2 or not all(p.isdigit() for p in [parts[0], *span, parts[2]]) or int(span[0]) > int(span[1]):
-        raise argparse.ArgumentTypeError(f"expected a packed batch like 120x16-2048x768 (or none), got {text!r}")
+    if (len(span) != 2 or not all(p.isdigit() for p in [parts[0], *span, parts[2]]) or int(span[0]) > int(span[1])
+            or min(int(parts[0]), int(span[1]), int(parts[2])) < 1):  # texts may be empty, not all of them
+        raise argparse.ArgumentTypeError(f"expected a packed batch like 120x16-2048x768 (B, the longest text and D "
+                                         f">= 1; or none), got {text!r}")
     return int(parts[0]), (int(span[0]), int(span[1])), int(parts[2])
 
 
@@ -417,8 +420,9 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     shapes = []
     for item in text.split(","):
         parts = item.lower().split("x")
-        if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise argparse.ArgumentTypeError(f"expected shapes like 32x512x768[,8x4096x1024], got {item!r}")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"expected shapes like 32x512x768[,8x4096x1024], sizes >= 1, got "
+                                             f"{item!r}")
         shapes.append(tuple(int(p) for p in parts))
     return shapes
 
@@ -454,6 +458,19 @@ def main(argv=None) -> int:
         parser.error("--device cuda: no CUDA device is available to torch")
     if not 0.0 <= args.padding < 1.0:
         parser.error(f"--padding: expected a share in [0, 1), got {args.padding}")
+    if args.json:  # found out now, not after minutes of timing
+        folder = os.path.dirname(os.path.abspath(args.json))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            parser.error(f"--json: cannot create the folder {folder}: {e.strerror}")
+        try:  # a file written and removed there: os.access says yes to root wherever writes would fail
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as e:
+            parser.error(f"--json: cannot write in {folder}: {e.strerror}")
+        if os.path.isdir(args.json):
+            parser.error(f"--json: expected a file path, got the folder {args.json}")
 
     info = lmk_ops.build_info()
     machine = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()

@@ -209,7 +209,7 @@ void check_float_tensor(
       t.device() == like.device(), "lmk_ops.", op, ": expected ", name, " on the same device as hidden (",
       device_name(like), "), got ", device_name(t));
   LMK_CHECK(
-      is_supported_float(t.scalar_type()) && t.sizes() == shape, "lmk_ops.", op, ": expected ", name,
+      is_supported_float(t.scalar_type()) && same_sizes(t.sizes(), shape), "lmk_ops.", op, ": expected ", name,
       " of a floating dtype and shape ", shape_str(shape), ", got ", t.scalar_type(), " of shape ",
       shape_str(t.sizes()));
 }

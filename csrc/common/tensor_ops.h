@@ -11,6 +11,7 @@
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <string>
@@ -23,6 +24,11 @@ namespace lmk_ops {
 
 using ScalarType = torch::headeronly::ScalarType;
 using Sizes = torch::headeronly::IntHeaderOnlyArrayRef;
+
+// Whether two shapes are equal (HeaderOnlyArrayRef has no operator== in torch 2.10's headers).
+inline bool same_sizes(Sizes a, Sizes b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end());
+}
 
 // The accumulation dtype of a floating dtype: acc_t's (float64 for float64, else float32).
 inline ScalarType acc_dtype(ScalarType t) {

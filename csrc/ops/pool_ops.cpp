@@ -100,7 +100,7 @@ Tensor max_pool_backward(const Tensor& grad, const Tensor& argmax, int64_t seq_l
       argmax.device() == grad.device(), "lmk_ops.", op, ": expected argmax on the same device as grad_out (",
       device_name(grad), "), got ", device_name(argmax));
   LMK_CHECK(
-      argmax.scalar_type() == ScalarType::Int && argmax.sizes() == grad.sizes(), "lmk_ops.", op,
+      argmax.scalar_type() == ScalarType::Int && same_sizes(argmax.sizes(), grad.sizes()), "lmk_ops.", op,
       ": expected argmax of dtype int32 and shape ", shape_str(grad.sizes()), " (as max_pool returns), got ",
       argmax.scalar_type(), " of shape ", shape_str(argmax.sizes()));
   LMK_CHECK(seq_len >= 0, "lmk_ops.", op, ": expected seq_len >= 0, got ", seq_len);

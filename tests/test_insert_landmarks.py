@@ -157,3 +157,20 @@ def test_bad_arguments(bad, pattern):
     kwargs = {"landmark_id": 7, **bad}
     with pytest.raises(ValueError, match=rf"^lmk_ops\.insert_landmarks: {pattern}"):
         lmk_ops.insert_landmarks(torch.ones(2, 4, dtype=torch.long), kwargs.pop("attention_mask", None), **kwargs)
+
+
+def test_batches_move_to_another_device_keeping_their_dtypes():
+    batch = lmk_ops.insert_landmarks(torch.tensor([[CLS, 11, 12, 13, SEP], [CLS, 14, SEP, PAD, PAD]]),
+                                     torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]), landmark_id=7, interval=2)
+    for original in (batch, batch.packed()):  # the packed batch had no .to() at all
+        moved = original.to("meta")
+        assert type(moved) is type(original)
+        for key in original.keys():
+            before, after = getattr(original, key), getattr(moved, key)
+            if isinstance(before, torch.Tensor):
+                assert after.device.type == "meta" and after.dtype == before.dtype and after.shape == before.shape
+            else:
+                assert after == before  # max_seqlen, a host int
+        with pytest.raises(TypeError, match=rf"^lmk_ops\.{type(original).__name__}\.to: expected a device, got the "
+                                            r"dtype torch\.float16"):
+            original.to(torch.float16)

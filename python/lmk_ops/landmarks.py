@@ -41,10 +41,7 @@ class LandmarkBatch:
 
     def to(self, device, non_blocking: bool = False) -> LandmarkBatch:
         """The batch on another device (the tensors keep their dtypes)."""
-        if isinstance(device, torch.dtype):
-            raise TypeError(f"lmk_ops.LandmarkBatch.to: expected a device, got the dtype {device} (the ids and masks "
-                            "keep their dtypes)")
-        return LandmarkBatch(*(getattr(self, k).to(device, non_blocking=non_blocking) for k in self.keys()))
+        return _moved(self, device, non_blocking)
 
     def model_inputs(self) -> dict[str, Tensor]:
         """The keyword arguments for a Hugging Face model: ``input_ids`` and ``attention_mask``."""
@@ -79,11 +76,24 @@ class PackedLandmarkBatch:
     def keys(self):
         return ("input_ids", "position_ids", "cu_seqlens", "max_seqlen", "landmark_mask")
 
+    def to(self, device, non_blocking: bool = False) -> PackedLandmarkBatch:
+        """The batch on another device (the tensors keep their dtypes; max_seqlen stays a host int)."""
+        return _moved(self, device, non_blocking)
+
     def model_inputs(self) -> dict:
         """The keyword arguments for a Hugging Face model running flash-attention varlen: ``input_ids``,
         ``position_ids`` and the ``cu_seq_lens_q/k``, ``max_length_q/k`` it reads the text boundaries from."""
         return {"input_ids": self.input_ids, "position_ids": self.position_ids, "cu_seq_lens_q": self.cu_seqlens,
                 "cu_seq_lens_k": self.cu_seqlens, "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen}
+
+
+def _moved(batch, device, non_blocking: bool):
+    """A copy of a LandmarkBatch or PackedLandmarkBatch with its tensors on device."""
+    if isinstance(device, torch.dtype):
+        raise TypeError(f"lmk_ops.{type(batch).__name__}.to: expected a device, got the dtype {device} (the ids and "
+                        "masks keep their dtypes)")
+    return type(batch)(*(v.to(device, non_blocking=non_blocking) if isinstance(v, Tensor) else v
+                         for v in (getattr(batch, k) for k in batch.keys())))
 
 
 def sample_intervals(batch: int, choices: Sequence[int] = PAPER_TRAINING_INTERVALS, *,

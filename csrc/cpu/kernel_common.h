@@ -113,9 +113,9 @@ void for_each_text(const RowList& list, int64_t batch, int64_t dim, int64_t unit
 
 // A reducer folds groups of up to kRowGroup selected rows (in the selection's order) into its accumulator of n
 // features; feature i of a row is at row[i * stride]. init() takes the first row alone. Attention's reducers fold
-// a group per pass, keeping their accumulators in registers across the group's rows; the mean and the maximum take
-// the group's rows one after another (pool_kernels.cpp, kFoldRows). The groups depend only on the selected rows,
-// never on padding or the batch.
+// a group per pass, keeping their accumulators in registers across the group's rows (the mean and the maximum take
+// rows one at a time instead: pool_kernels.cpp, kFoldRows). The groups depend only on the selected rows, never on
+// padding or the batch.
 constexpr int kRowGroup = 4;
 
 // A group of selected rows as a reducer's step() takes it: the k row pointers, their positions, and the rows of

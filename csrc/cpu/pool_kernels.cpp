@@ -63,13 +63,7 @@ struct SumReducer {
     run = 1;
   }
 
-  void step(const RowGroup<scalar_t>& g, int64_t stride, int64_t width) {
-    for (int r = 0; r < g.k; ++r) {
-      add_row(g.rows[r], stride, width);
-    }
-  }
-
-  void add_row(const scalar_t* row, int64_t stride, int64_t width) {
+  void add_row(const scalar_t* row, int64_t /*l*/, int64_t stride, int64_t width) {
     int64_t i = 0;
     if (stride == 1) {
       for (; i + V::size() <= width; i += V::size()) {
@@ -220,13 +214,6 @@ struct MaxReducer {
     }
   }
 
-  void step(const RowGroup<scalar_t>& g, int64_t stride, int64_t n) {
-    for (int r = 0; r < g.k; ++r) {
-      add_row(g.rows[r], g.ls[r], stride, n);
-    }
-  }
-
-  // Rows come one after another, each read whole (see kFoldRows on why).
   void add_row(const scalar_t* row, int64_t l, int64_t stride, int64_t n) {
     int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -267,8 +254,10 @@ struct MaxReducer {
 };
 
 // Shared driver of the forward kernels: runs a Reducer over every (text, chunk, feature block) task of the listed
-// rows (for_each_chunk) and hands the reduced block to chunk_done(b, chunk, d0, n, reducer, rows), rows being the
-// text's selected row count; then combine(b, d0, n, rows) finishes the texts of several chunks.
+// rows (for_each_chunk), one row after another (init() the first, add_row() the rest: see kFoldRows on why not in
+// groups, as attention's reducers take them), and hands the reduced block to chunk_done(b, chunk, d0, n, reducer,
+// rows), rows being the text's selected row count; then combine(b, d0, n, rows) finishes the texts of several
+// chunks.
 template <typename scalar_t, typename Reducer, typename ChunkDone, typename Combine>
 void pool_forward(const Tensor& hidden, const RowList& list, const ChunkDone& chunk_done,
                   const Combine& combine) {
@@ -278,7 +267,13 @@ void pool_forward(const Tensor& hidden, const RowList& list, const ChunkDone& ch
   for_each_chunk(list, batch, dim, 1, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n, const ChunkRows& rows) {
     Reducer reducer;
     const scalar_t* block = h + b * sb + d0 * sd;
-    if (reduce_rows(block, sl, sd, n, rows, reducer) > 0) {
+    if (rows.begin < rows.end) {
+      const int64_t first = rows.list->row(b, rows.begin);
+      reducer.init(block + first * sl, sd, n, first);
+      for (int64_t j = rows.begin + 1; j < rows.end; ++j) {
+        const int64_t l = rows.list->row(b, j);
+        reducer.add_row(block + l * sl, l, sd, n);
+      }
       reducer.finish();
       if constexpr (std::is_same_v<Reducer, SumReducer<scalar_t>>) {
         reducer.resum_if_overflowed(block, sl, sd, rows);

@@ -50,11 +50,16 @@ def is_flag(value) -> bool:
     return isinstance(value, bool) or numpy_bool or (isinstance(value, numbers.Integral) and value in (0, 1))
 
 
+def is_integer(value) -> bool:
+    """A Python or NumPy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def is_int(value) -> bool:
     """A Python or NumPy integer (or a 0-d integer tensor), not a bool or a float."""
     if isinstance(value, torch.Tensor):
         return value.dim() == 0 and not value.is_floating_point() and value.dtype != torch.bool
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return is_integer(value)
 
 
 def check_flag(op: str, name: str, value) -> bool:
@@ -73,7 +78,7 @@ def check_call(op: str, hidden, *, max_seqlen=None, **others) -> None:
     if not isinstance(hidden, torch.Tensor):
         fail(op, f"expected hidden to be a tensor [B, L, D], got {_type_name(hidden)}")
     if max_seqlen is not None and not isinstance(max_seqlen, torch.SymInt) and (
-            isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 0):
+            not is_integer(max_seqlen) or max_seqlen < 0):
         fail(op, f"expected max_seqlen as an int >= 0 (or None), got {max_seqlen!r}")
     for name, value in others.items():
         required = name in ("query", "landmarks")

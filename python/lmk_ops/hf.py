@@ -3,14 +3,13 @@ out. Tokenizes without truncation, inserts the landmarks, then truncates (as the
 
 from __future__ import annotations
 
-import numbers
 import re
 import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 
-from ._checks import is_flag
+from ._checks import is_flag, is_integer
 from .landmarks import PAPER_TRAINING_INTERVALS, LandmarkBatch, PackedLandmarkBatch, insert_landmarks, sample_intervals
 
 __all__ = ["PAPER_TRAINING_INTERVALS", "add_landmark_token", "insert_for_tokenizer", "landmark_token_id", "simple_sentence_ends", "special_token_layout",
@@ -145,7 +144,7 @@ def tokenize_with_landmarks(
                              f"got {len(per_text_ends)}")
         for b, (text, text_ends) in enumerate(zip(texts, per_text_ends)):
             bad = [e for e in text_ends
-                   if isinstance(e, bool) or not isinstance(e, numbers.Integral) or not 0 <= e <= len(text)]
+                   if not is_integer(e) or not 0 <= e <= len(text)]
             if bad:
                 raise ValueError(f"lmk_ops.hf: expected sentence_ends of text {b} as character offsets in "
                                  f"[0, len(text)] = [0, {len(text)}], got {bad[0]!r}")

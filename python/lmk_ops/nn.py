@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from ._checks import check_call, check_scale_type, is_flag
+from ._checks import check_call, check_scale_type, is_flag, is_integer
 
 __all__ = ["AttentionPooling", "Pooling"]
 
@@ -87,7 +86,7 @@ class AttentionPooling(torch.nn.Module):
 
     def __init__(self, dim: int, heads: int = 1, *, scale: float | None = None, device=None, dtype=None):
         super().__init__()
-        whole = all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in (dim, heads))
+        whole = all(is_integer(v) for v in (dim, heads))
         if not whole or heads < 1 or dim < 1 or dim % heads:
             raise ValueError(f"lmk_ops.nn.AttentionPooling: expected ints heads >= 1 dividing dim >= 1, got "
                              f"dim={dim!r}, heads={heads!r}")

@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ._checks import check_call, check_flag, check_hidden, check_landmarks, check_mask, check_packed
-from ._checks import check_packed_mask, check_scale_type, fail
+from ._checks import check_packed_mask, check_scale_type, fail, is_integer
 from . import reference
 from ._dispatch import call as _call
 
@@ -147,7 +145,7 @@ def landmark_positions(landmark_mask: Tensor, num_landmarks: int | None = None, 
         fail(op, f"expected a bool landmark mask of shape {'[T]' if rank_dims == 1 else '[B, L]'}, got "
                  f"{getattr(landmark_mask, 'dtype', None)} of shape {list(getattr(landmark_mask, 'shape', []))}")
     if num_landmarks is not None and not isinstance(num_landmarks, torch.SymInt):
-        if isinstance(num_landmarks, bool) or not isinstance(num_landmarks, numbers.Integral) or num_landmarks < 0:
+        if not is_integer(num_landmarks) or num_landmarks < 0:
             fail(op, f"expected num_landmarks as an int >= 0 (or None), got {num_landmarks!r}")
         num_landmarks = int(num_landmarks)  # a NumPy integer too
     device = landmark_mask.device

@@ -391,3 +391,28 @@ def test_sentence_transformers_modes_padded_either_side_and_packed(mode):
     (grad,) = torch.autograd.grad(out.sum(), packed)
     (expected_grad,) = torch.autograd.grad(expected.sum(), packed)
     torch.testing.assert_close(grad, expected_grad)
+
+
+@pytest.mark.parametrize("mode", ["mean", "max", "cls", "last", "lmk", "attention", "mean_sqrt_len_tokens",
+                                  "weightedmean"])
+def test_a_features_dict_alone_is_its_own_batch(mode):
+    """sentence-transformers calls its modules with the features dict only: its attention mask (padded) or
+    cu_seq_lens_q (flattened) must count as they do when the dict is also passed as the batch."""
+    gen = torch.Generator().manual_seed(6)
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
+    hidden = torch.randn(2, 5, 8, generator=gen)
+    landmarks = torch.tensor([[0, 0, 0, 1, 1], [0, 1, 0, 0, 1]]) * mask
+    padded = {"token_embeddings": hidden, "attention_mask": mask, "landmark_mask": landmarks}
+    valid = mask.bool()
+    flat = {"token_embeddings": hidden[valid].unsqueeze(0), "cu_seq_lens_q": torch.tensor([0, 3, 7], dtype=torch.int32),
+            "max_length_q": 4, "seq_idx": torch.tensor([[0, 0, 0, 1, 1, 1, 1]]), "landmark_mask": landmarks[valid]}
+    pooling = lmk_ops.nn.Pooling(mode, **({"dim": 8, "heads": 2} if mode == "attention" else {}))
+    if mode == "attention":
+        torch.nn.init.normal_(pooling.attention.query, generator=gen)
+    with torch.no_grad():
+        expected = pooling(hidden, padded)
+        if mode != "lmk":  # (lmk needs the batch's landmark mask)
+            assert not torch.equal(expected, pooling(hidden))  # the mask matters here
+        assert torch.equal(pooling(padded), expected)
+        assert torch.equal(pooling(flat), pooling(flat["token_embeddings"], flat))
+        assert torch.equal(pooling(flat), expected)

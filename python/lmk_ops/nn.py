@@ -35,6 +35,13 @@ def _field(batch: Any, key: str) -> Tensor | None:
     return batch.get(key) if isinstance(batch, Mapping) else getattr(batch, key, None)
 
 
+def _batch_or_features(output: Any, batch: Any) -> Any:
+    """The batch that holds the masks and offsets: ``batch``, or where none is given and the output is a mapping
+    (sentence-transformers' features dict, which carries ``attention_mask`` and ``cu_seq_lens_q`` beside
+    ``token_embeddings``), the output itself."""
+    return output if batch is None and isinstance(output, Mapping) else batch
+
+
 def _masks(batch: Any, attention_mask: Tensor | None) -> Tensor | None:
     return attention_mask if attention_mask is not None else _field(batch, "attention_mask")
 
@@ -103,6 +110,7 @@ class AttentionPooling(torch.nn.Module):
 
     def forward(self, output: Any, batch: Any = None, *, attention_mask: Tensor | None = None,
                 return_weights: bool = False, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None):
+        batch = _batch_or_features(output, batch)
         hidden, packed = packed_layout(hidden_states(output), batch, cu_seqlens, max_seqlen)
         mask = _flat(_masks(batch, attention_mask) if not packed or attention_mask is not None else None, packed)
         return ops.attention_pool(hidden, mask, self.query, scale=self.scale, return_weights=return_weights, **packed)
@@ -121,7 +129,8 @@ class Pooling(torch.nn.Module):
 
     ``forward(output, batch)``: ``output`` is a model's output (or the token states), ``batch`` what the model was
     called with, holding ``attention_mask`` (and ``landmark_mask`` for "lmk"): a dict, a ``BatchEncoding`` or a
-    :class:`lmk_ops.LandmarkBatch`. The masks can also be passed as keywords. Packed batches work too: pass
+    :class:`lmk_ops.LandmarkBatch`. A sentence-transformers features dict can come alone, ``forward(features)``: it
+    is then the batch too. The masks can also be passed as keywords. Packed batches work too: pass
     ``cu_seqlens`` (and ``max_seqlen``), or a batch holding sentence-transformers' flattened features
     (``token_embeddings`` ``[1, T, D]`` with ``cu_seq_lens_q``); there the attention mask is not used (every packed
     token is valid) unless passed as a keyword, and a landmark mask is ``[T]``.
@@ -148,6 +157,7 @@ class Pooling(torch.nn.Module):
     def forward(self, output: Any, batch: Any = None, *, attention_mask: Tensor | None = None,
                 landmark_mask: Tensor | None = None, cu_seqlens: Tensor | None = None,
                 max_seqlen: int | None = None) -> Tensor:
+        batch = _batch_or_features(output, batch)
         hidden, packed = packed_layout(hidden_states(output), batch, cu_seqlens, max_seqlen)
         # A flattened batch's attention mask (if any) describes the padded batch it came from, not the packed rows.
         mask = _flat(_masks(batch, attention_mask) if not packed or attention_mask is not None else None, packed)

@@ -416,3 +416,20 @@ def test_a_features_dict_alone_is_its_own_batch(mode):
         assert torch.equal(pooling(padded), expected)
         assert torch.equal(pooling(flat), pooling(flat["token_embeddings"], flat))
         assert torch.equal(pooling(flat), expected)
+
+
+def test_pooling_lmk_takes_an_integer_landmark_mask_of_0_and_1_only():
+    hidden = torch.randn(2, 5, 8)
+    landmarks = torch.tensor([[0, 1, 0, 0, 1], [1, 0, 0, 0, 0]])
+    pooling = lmk_ops.nn.Pooling("lmk")
+    expected = lmk_ops.landmark_mean(hidden, landmarks.bool())
+    flat = {"token_embeddings": hidden.reshape(1, 10, 8), "cu_seq_lens_q": torch.tensor([0, 5, 10])}
+    for dtype in (torch.bool, torch.uint8, torch.int32, torch.int64):
+        assert torch.equal(pooling(hidden, {"landmark_mask": landmarks.to(dtype)}), expected)
+        assert torch.equal(pooling({**flat, "landmark_mask": landmarks.reshape(1, 10).to(dtype)}), expected)
+    landmarks[0, 1] = 2  # not a mask value: before, taken for a landmark
+    with pytest.raises(RuntimeError, match=r"lmk_ops.nn.Pooling\('lmk'\) \(its landmark_mask\): expected mask "
+                                           r"values 0 or 1, got 2"):
+        pooling(hidden, {"landmark_mask": landmarks})
+    with pytest.raises(RuntimeError, match=r"its landmark_mask\): expected mask values 0 or 1, got 2"):
+        pooling({**flat, "landmark_mask": landmarks.reshape(10)})

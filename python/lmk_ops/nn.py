@@ -77,6 +77,17 @@ def _flat(mask: Tensor | None, packed: dict) -> Tensor | None:
     return mask.reshape(-1) if mask.dim() == 2 and mask.shape[0] == 1 else mask
 
 
+def _landmark_mask(landmarks: Tensor, packed: dict) -> Tensor:
+    """A batch's landmark mask as a bool mask, whatever its integer dtype after collation (landmark_mean would read
+    an integer tensor as positions); values other than 0 and 1 are refused, as in attention masks."""
+    if isinstance(landmarks, Tensor) and landmarks.dtype != torch.bool and landmarks.dim() in (1, 2):
+        flat = landmarks.dim() == 1
+        landmarks = torch.ops.lmk_ops.valid_mask(landmarks.view(1, -1) if flat else landmarks,
+                                                 "nn.Pooling('lmk') (its landmark_mask)")
+        landmarks = landmarks.view(-1) if flat else landmarks
+    return _flat(landmarks, packed)
+
+
 class AttentionPooling(torch.nn.Module):
     """Attention pooling with a learned query per head (:func:`lmk_ops.attention_pool`).
 
@@ -166,8 +177,7 @@ class Pooling(torch.nn.Module):
             if landmarks is None:
                 raise ValueError("lmk_ops.nn.Pooling(mode='lmk'): expected a landmark_mask in the batch or as a "
                                  "keyword (lmk_ops.insert_landmarks or lmk_ops.hf.tokenize_with_landmarks make one)")
-            # A mask, whatever its dtype after collation (an integer mask would otherwise read as positions).
-            return ops.landmark_mean(hidden, _flat(landmarks, packed) != 0, normalize=self.normalize, **packed)
+            return ops.landmark_mean(hidden, _landmark_mask(landmarks, packed), normalize=self.normalize, **packed)
         if self.mode == "mean":
             return ops.mean_pool(hidden, mask, normalize=self.normalize, **packed)
         if self.mode == "max":

@@ -190,6 +190,24 @@ def test_compile_fullgraph_matches_eager(op, dynamic, device):
             torch.testing.assert_close(g, e)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.:DeprecationWarning")  # deprecated, still used to ship models
+@pytest.mark.parametrize("name,kind", CASES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_jit_trace_records_the_ops_and_saves(name, kind, device, tmp_path):
+    # Traced with an input that requires grad (a model's states do), the ops must be recorded as themselves, not as
+    # lmk_ops' eager autograd.Function (a Python op that fails the trace's check and cannot be saved); the saved
+    # module gives the same output and gradient.
+    fn, hidden, arg = _case(name, kind, torch.float64, device)
+    traced = torch.jit.trace(lambda h: fn(h, arg), (hidden,))
+    assert "lmk_ops::" in str(traced.graph) and "PythonOp" not in str(traced.graph)
+    torch.jit.save(traced, str(tmp_path / "traced.pt"))
+    loaded = torch.jit.load(str(tmp_path / "traced.pt"))
+    out, expected = loaded(hidden), fn(hidden, arg)
+    assert torch.equal(out, expected)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype).to(device)
+    assert torch.equal(torch.autograd.grad(out, hidden, up)[0], torch.autograd.grad(expected, hidden, up)[0])
+
+
 def test_build_info():
     info = lmk_ops.build_info()
     assert info["min_torch"] == "2.10" and _loader._major_minor(info["torch_version"]) >= (2, 10)

@@ -38,8 +38,10 @@ def call(op, *args):
     altogether (the op's autograd kernel is a Python function whose tens of microseconds per call are most of a small
     pooling's time: inference on a short query, first-token pooling). The backward functions call the backward ops
     through here too, so a double backward (create_graph) is recorded the same way. While compiling (dynamo traces the
-    plain call) or inside torch.func transforms, whose layers need every dispatch key, the op is called as it is."""
-    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
+    plain call), under torch.jit.trace (which would record the Function as a Python op that it can neither check nor
+    save) or inside torch.func transforms, whose layers need every dispatch key, the op is called as it is."""
+    if (torch.compiler.is_compiling() or torch._C._is_tracing()
+            or torch._C._functorch.peek_interpreter_stack() is not None):
         return op(*args)
     if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
         function, defaults = _functions[op]

@@ -141,4 +141,16 @@ def test_landmark_positions():
     with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_positions: expected at most num_landmarks = 2 "
                                            r"landmarks per row, got 3 in row 0"):
         lmk_ops.landmark_positions(mask, 2)
+    # Called from landmark_gather, the same checks name landmark_gather.
+    with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_gather: expected at most num_landmarks = 2 "):
+        lmk_ops.landmark_gather(torch.randn(3, 5, 2), mask, num_landmarks=2)
+    with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_gather: expected num_landmarks as an int >= 0"):
+        lmk_ops.landmark_gather(torch.randn(3, 5, 2), mask, num_landmarks=-1)
+    # Positions [B, K] set K: a num_landmarks beside them must agree (it was ignored).
+    positions = lmk_ops.landmark_positions(mask)
+    assert lmk_ops.landmark_gather(torch.randn(3, 5, 2), positions, num_landmarks=3)[0].shape == (3, 3, 2)
+    for wrong in (5, 2, "3", 3.0):
+        with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_gather: expected num_landmarks = K = 3 \(the "
+                                               r"width of the positions \[B, K\]\) or None, got"):
+            lmk_ops.landmark_gather(torch.randn(3, 5, 2), positions, num_landmarks=wrong)
     assert lmk_ops.landmark_positions(torch.zeros(0, 4, dtype=torch.bool)).shape == (0, 0)

@@ -139,7 +139,11 @@ def landmark_positions(landmark_mask: Tensor, num_landmarks: int | None = None, 
 
     With ``cu_seqlens`` (a packed batch), the mask is ``[T]`` and positions count from each text's start.
     """
-    op = "landmark_positions"
+    return _positions("landmark_positions", landmark_mask, num_landmarks, cu_seqlens)
+
+
+def _positions(op: str, landmark_mask: Tensor, num_landmarks: int | None, cu_seqlens: Tensor | None) -> Tensor:
+    """landmark_positions, its errors naming op (the public function that was called)."""
     rank_dims = 1 if cu_seqlens is not None else 2
     if not isinstance(landmark_mask, Tensor) or landmark_mask.dtype != torch.bool or landmark_mask.dim() != rank_dims:
         fail(op, f"expected a bool landmark mask of shape {'[T]' if rank_dims == 1 else '[B, L]'}, got "
@@ -205,19 +209,24 @@ def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | N
     """
     op = "landmark_gather"
     check_call(op, hidden, landmarks=landmarks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    mask_given = isinstance(landmarks, Tensor) and landmarks.dtype == torch.bool
     if cu_seqlens is not None:
         batch = check_packed(op, hidden, cu_seqlens, max_seqlen)
         if max_seqlen is not None:  # the gather needs no width, but a wrong hint is refused as by every op (the
             # checked offsets are used, so that torch.compile keeps the check)
             cu_seqlens = torch.ops.lmk_ops.packed_offsets(cu_seqlens, hidden.shape[0], max_seqlen, op)
-        if isinstance(landmarks, Tensor) and landmarks.dtype == torch.bool:
+        if mask_given:
             check_landmarks(op, landmarks, batch, hidden.shape[0], hidden, packed=True)
-            landmarks = landmark_positions(landmarks, num_landmarks, cu_seqlens=cu_seqlens)
     else:
         check_hidden(op, hidden, max_seqlen)
-        if isinstance(landmarks, Tensor) and landmarks.dtype == torch.bool:
+        if mask_given:
             check_landmarks(op, landmarks, hidden.shape[0], hidden.shape[1], hidden)
-            landmarks = landmark_positions(landmarks, num_landmarks)
+    if mask_given:
+        landmarks = _positions(op, landmarks, num_landmarks, cu_seqlens)
+    elif num_landmarks is not None and not isinstance(num_landmarks, torch.SymInt) and not (
+            is_integer(num_landmarks) and num_landmarks == landmarks.shape[1]):
+        fail(op, f"expected num_landmarks = K = {landmarks.shape[1]} (the width of the positions [B, K]) or None, "
+                 f"got {num_landmarks!r}")  # else silently ignored
     return _call(torch.ops.lmk_ops.landmark_gather, hidden, landmarks, cu_seqlens), landmarks >= 0
 
 

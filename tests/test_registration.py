@@ -208,6 +208,29 @@ def test_jit_trace_records_the_ops_and_saves(name, kind, device, tmp_path):
     assert torch.equal(torch.autograd.grad(out, hidden, up)[0], torch.autograd.grad(expected, hidden, up)[0])
 
 
+@pytest.mark.parametrize("name,kind", CASES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_export_with_a_dynamic_batch(name, kind, device):
+    # torch.export traces through the fake kernels; the exported program, run on a batch of another size, gives the
+    # eager output and gradient.
+    fn, hidden, arg = _case(name, kind, torch.float64, device)
+
+    class Model(torch.nn.Module):
+        def forward(self, h, a):
+            return fn(h, a)
+
+    batch = torch.export.Dim("batch", min=2)
+    exported = torch.export.export(Model(), (hidden, arg), dynamic_shapes=({0: batch}, None if arg is None else
+                                                                           {0: batch}))
+    assert "lmk_ops." in str(exported.graph)
+    double = (torch.cat([hidden, hidden.flip(0)]).detach().requires_grad_(),
+              None if arg is None else torch.cat([arg, arg.flip(0)]))
+    out, expected = exported.module()(*double), fn(*double)
+    assert torch.equal(out, expected)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype).to(device)
+    assert torch.equal(torch.autograd.grad(out, double[0], up)[0], torch.autograd.grad(expected, double[0], up)[0])
+
+
 def test_build_info():
     info = lmk_ops.build_info()
     assert info["min_torch"] == "2.10" and _loader._major_minor(info["torch_version"]) >= (2, 10)

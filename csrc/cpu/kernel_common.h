@@ -60,6 +60,18 @@ struct ChunkRows {
   }
 };
 
+// At least n values of T for the calling thread, kept for its later tasks, not zeroed: the task of a short text
+// spent more on allocating its few small buffers than on its rows. A task's buffers take distinct slots, also
+// across types (acc_t may be double).
+template <typename T, int kSlot>
+T* thread_scratch(int64_t n) {
+  thread_local std::vector<T> buffer;
+  if (static_cast<int64_t>(buffer.size()) < n) {
+    buffer.resize(n);
+  }
+  return buffer.data();
+}
+
 // The number of chunks a text of up to `upper` selected rows can have.
 inline int64_t chunks_for(int64_t upper) {
   return std::max<int64_t>(1, (upper + kChunkRows - 1) / kChunkRows);
@@ -81,9 +93,14 @@ void for_each_chunk(const RowList& list, int64_t batch, int64_t dim, int64_t uni
   const int64_t blocks = (dim + block - 1) / block;
   const int64_t grain = std::max<int64_t>(1, kMinParallelWork / (std::min(kChunkRows, list.upper()) * block + 1));
   torch::stable::parallel_for(0, chunks * blocks, grain, [&](int64_t begin, int64_t end) {
+    // The text of the range's first task by binary search, then of each next task by stepping on (a search per
+    // task cost about 20 ns of a 25 ns task in a batch of 100,000 one-row texts).
+    int64_t b = std::upper_bound(first_chunk.begin(), first_chunk.end(), begin / blocks) - first_chunk.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t index = task / blocks, d0 = task % blocks * block;
-      const int64_t b = std::upper_bound(first_chunk.begin(), first_chunk.end(), index) - first_chunk.begin() - 1;
+      while (first_chunk[b + 1] <= index) {
+        ++b;
+      }
       const int64_t chunk = index - first_chunk[b], first = chunk * kChunkRows;
       body(b, chunk, d0, std::min(block, dim - d0),
            ChunkRows{&list, b, first, std::min(first + kChunkRows, list.rows(b))});

@@ -80,11 +80,8 @@ def _flat(mask: Tensor | None, packed: dict) -> Tensor | None:
 def _landmark_mask(landmarks: Tensor, packed: dict) -> Tensor:
     """A batch's landmark mask as a bool mask, whatever its integer dtype after collation (landmark_mean would read
     an integer tensor as positions); values other than 0 and 1 are refused, as in attention masks."""
-    if isinstance(landmarks, Tensor) and landmarks.dtype != torch.bool and landmarks.dim() in (1, 2):
-        flat = landmarks.dim() == 1
-        landmarks = torch.ops.lmk_ops.valid_mask(landmarks.view(1, -1) if flat else landmarks,
-                                                 "nn.Pooling('lmk') (its landmark_mask)")
-        landmarks = landmarks.view(-1) if flat else landmarks
+    if isinstance(landmarks, Tensor) and landmarks.dim() in (1, 2):  # other shapes: landmark_mean says what is wrong
+        landmarks = ops.bool_mask("nn.Pooling('lmk') (its landmark_mask)", landmarks)
     return _flat(landmarks, packed)
 
 

@@ -223,10 +223,11 @@ def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | N
             check_landmarks(op, landmarks, hidden.shape[0], hidden.shape[1], hidden)
     if mask_given:
         landmarks = _positions(op, landmarks, num_landmarks, cu_seqlens)
-    elif num_landmarks is not None and not isinstance(num_landmarks, torch.SymInt) and not (
-            is_integer(num_landmarks) and num_landmarks == landmarks.shape[1]):
-        fail(op, f"expected num_landmarks = K = {landmarks.shape[1]} (the width of the positions [B, K]) or None, "
-                 f"got {num_landmarks!r}")  # else silently ignored
+    elif num_landmarks is not None and not isinstance(num_landmarks, torch.SymInt):
+        # Positions [B, K] set K: a num_landmarks beside them must agree (it would be silently ignored).
+        if not is_integer(num_landmarks) or num_landmarks != landmarks.shape[1]:
+            fail(op, f"expected num_landmarks = K = {landmarks.shape[1]} (the width of the positions [B, K]) or "
+                     f"None, got {num_landmarks!r}")
     return _call(torch.ops.lmk_ops.landmark_gather, hidden, landmarks, cu_seqlens), landmarks >= 0
 
 
@@ -257,6 +258,16 @@ def last_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: T
     return _call(torch.ops.lmk_ops.token_pool, hidden, mask, True, cu_seqlens, max_seqlen)[0]
 
 
+def bool_mask(op: str, mask: Tensor) -> Tensor:
+    """A 0/1 mask [T] or [B, L] as a bool mask: an integer one's values checked by the valid_mask op (the same failure
+    eager and compiled, errors naming op), a bool one as it is."""
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.dim() == 1:
+        return torch.ops.lmk_ops.valid_mask(mask.view(1, -1), op).view(-1)
+    return torch.ops.lmk_ops.valid_mask(mask, op)
+
+
 def padded_valid(op: str, hidden: Tensor, mask: Tensor | None) -> Tensor:
     """A padded batch's hidden [B, L, D] and mask, checked as the ops check them (errors naming op): the valid tokens
     as a bool [B, L] mask."""
@@ -264,8 +275,7 @@ def padded_valid(op: str, hidden: Tensor, mask: Tensor | None) -> Tensor:
     check_mask(op, mask, hidden.shape[0], hidden.shape[1], hidden)
     if mask is None:
         return torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
-    # 0/1 checked by an op: the same failure eager and compiled
-    return mask if mask.dtype == torch.bool else torch.ops.lmk_ops.valid_mask(mask, op)
+    return bool_mask(op, mask)
 
 
 def packed_as_padded(op: str, hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor, max_seqlen: int | None):
@@ -274,8 +284,8 @@ def packed_as_padded(op: str, hidden: Tensor, mask: Tensor | None, cu_seqlens: T
     check_packed(op, hidden, cu_seqlens, max_seqlen)
     check_packed_mask(op, mask, hidden.shape[0], hidden)
     offsets = torch.ops.lmk_ops.packed_offsets(cu_seqlens, hidden.shape[0], max_seqlen, op)
-    if mask is not None and mask.dtype != torch.bool:  # 0/1 checked by an op: the same failure eager and compiled
-        mask = torch.ops.lmk_ops.valid_mask(mask.view(1, -1), op).view(-1)
+    if mask is not None:
+        mask = bool_mask(op, mask)
     padded, valid, _, _ = reference.padded_view(hidden, mask, offsets, max_seqlen)
     return padded, valid
 

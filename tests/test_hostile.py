@@ -3,8 +3,11 @@ each pinned by a test. Runs in CI (CPU); the CUDA cases of the ops' own suites c
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import subprocess
+import sys
 import threading
 import warnings
 
@@ -745,3 +748,64 @@ def test_more_than_2_to_the_31_elements():
         h = hidden.requires_grad_()
         (grad,) = torch.autograd.grad(lmk_ops.max_pool(h).sum(), h)
     assert (grad[0, -1] == 1).all() and not grad[0, :-1].any()
+
+
+_SKEWED_BATCH = """
+lengths = [1] * 4000 + [65536]  # many short texts and one long one (CPU chunks of 512 rows, CUDA of 128)
+hidden = torch.randn(sum(lengths), 256, generator=torch.Generator().manual_seed(0)).to(device)
+offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
+query = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).to(device)
+long_text = hidden[4000:].unsqueeze(0)
+
+def pool_all(measure):
+    h = hidden.detach().requires_grad_()
+    with measure():
+        mean, top = lmk_ops.mean_pool(h, cu_seqlens=offsets), lmk_ops.max_pool(h, cu_seqlens=offsets)
+        attended = lmk_ops.attention_pool(h, None, query, cu_seqlens=offsets)
+        (grad,) = torch.autograd.grad(attended.sum(), h)
+    # The short texts pool to their one row, the long one as it does alone.
+    assert torch.equal(mean[:4000], hidden[:4000]) and torch.equal(top[:4000], hidden[:4000])
+    assert torch.equal(mean[4000], lmk_ops.mean_pool(long_text)[0])
+    assert torch.equal(top[4000], lmk_ops.max_pool(long_text)[0])
+    assert torch.equal(attended[4000], lmk_ops.attention_pool(long_text, None, query)[0])
+    assert grad.isfinite().all()
+"""
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_packed_batch_of_short_texts_and_a_long_one_pools_in_memory_of_its_size(device):
+    """The chunks' partial results take room for the chunks there are. Laid out per text for the longest text's
+    chunks, 4000 one-token texts beside one of 65536 tokens (D 256, 70 MB) took 1 GB for the mean and 2 GB for
+    attention's backward on CPU (4 GB and more on CUDA, whose chunks are shorter); the bound here is the input's size
+    three times over (the gradient is one)."""
+    input_bytes = (4000 + 65536) * 256 * 4
+    if device == "cuda":
+        scope = {"torch": torch, "lmk_ops": lmk_ops, "device": device}
+        exec(_SKEWED_BATCH, scope)  # noqa: S102 - the same body as the CPU process below
+
+        @contextlib.contextmanager
+        def peak_on_cuda():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            yield
+            torch.cuda.synchronize()
+            assert torch.cuda.max_memory_allocated() - start < 3 * input_bytes
+
+        scope["pool_all"](peak_on_cuda)
+        return
+    if not sys.platform.startswith("linux"):
+        pytest.skip("peak memory read from getrusage (Linux)")
+    # The CPU's peak resident memory, in a process of its own, so that nothing before in this one counts.
+    script = ("import contextlib, resource, torch, lmk_ops\ndevice = 'cpu'\n" + _SKEWED_BATCH + f"""
+@contextlib.contextmanager
+def peak_resident():
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    yield
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start
+    assert grown < 3 * {input_bytes}, grown
+
+pool_all(peak_resident)
+""")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -584,7 +584,7 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
   acc* w = weights.defined() ? weights.mutable_data_ptr<acc>() : nullptr;
   const RowListing listing = list_rows(rows.listed, batch, seq_len);
   const RowList& list = listing.view;
-  const int64_t chunks = chunks_for(list.upper());
+  const ChunkPlan plan(list, batch);
   // Where text b's weights start: [B, H, L], or one [H, T] for a packed batch (rows of texts never overlap).
   const int64_t weights_batch = rows.packed() ? 0 : heads * seq_len;
   const ScoreQuery<scalar_t> query_in_order(q, dim, sd, head_dim);
@@ -610,9 +610,9 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
   // below in chunk order. A text of one chunk is finished by its chunk's task. Means rather than weighted sums: each
   // is at most the largest value, and so is every partial sum of them weighted by shares of the text's total, so
   // float64 rows near float64's maximum merge to a finite result wherever it is finite.
-  const int64_t parts = chunks > 1 ? batch * chunks : 0;
-  std::vector<acc> part_max(parts * heads);
-  std::vector<double> part_sum(parts * heads), part_out(parts * dim);
+  const CallScratch<acc, 0> part_max(plan.slots() * heads);
+  const CallScratch<double, 1> part_sum(plan.slots() * heads);
+  const CallScratch<double, 2> part_out(plan.slots() * dim);
   // A chunk's weighted mean per head of its block, in natural order, into dst [n].
   const auto chunk_mean = [&](const SoftmaxReducer<scalar_t>& reducer, double* dst) {
     for (int64_t k = 0; k < reducer.heads; ++k) {
@@ -622,9 +622,9 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
       }
     }
   };
-  const int64_t unit = head_block_unit(heads, head_dim, batch * chunks);  // a bound above the chunk count
-  for_each_chunk(list, batch, dim, unit, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n,
-                                             const ChunkRows& chunk_rows) {
+  const int64_t unit = head_block_unit(heads, head_dim, plan.chunks());
+  for_each_chunk(plan, list, dim, unit, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n,
+                                            const ChunkRows& chunk_rows) {
     const int64_t h0 = d0 / head_dim, block_heads = n / head_dim;
     acc* state = thread_scratch<acc, 0>(n + (2 + kRowGroup) * block_heads);  // init() sets what is read
     double* totals = thread_scratch<double, 1>(n + block_heads);
@@ -659,7 +659,7 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
         finish_head(b, h0 + k, reducer.running_max[k], reducer.total_sum[k], mean + k * head_dim);
       }
     } else if (count > 0) {
-      const int64_t part = b * chunks + chunk;
+      const int64_t part = plan.slot(b, chunk);
       std::copy_n(reducer.running_max, block_heads, part_max.data() + part * heads + h0);
       std::copy_n(reducer.total_sum, block_heads, part_sum.data() + part * heads + h0);
       chunk_mean(reducer, part_out.data() + part * dim + d0);
@@ -672,22 +672,22 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
     for (int64_t hh = h0; hh < h0 + n / head_dim; ++hh) {
       acc best = -std::numeric_limits<acc>::infinity();
       for (int64_t c = 0; c < used; ++c) {
-        best = std::max(best, part_max[(b * chunks + c) * heads + hh]);
+        best = std::max(best, part_max.data()[plan.slot(b, c) * heads + hh]);
       }
       // The text's total first (each chunk's sum rescaled to the text's maximum), then each chunk's mean weighted by
       // its share of it.
       double total = 0;
       for (int64_t c = 0; c < used; ++c) {
-        const int64_t part = b * chunks + c;
-        const acc m = part_max[part * heads + hh];
-        rescaled_sum[c] = part_sum[part * heads + hh] * (m == best ? 1.0 : static_cast<double>(exp_acc(m - best)));
+        const int64_t part = plan.slot(b, c);
+        const acc m = part_max.data()[part * heads + hh];
+        rescaled_sum[c] = part_sum.data()[part * heads + hh] * (m == best ? 1.0 : static_cast<double>(exp_acc(m - best)));
         total += rescaled_sum[c];
       }
       std::fill(weighted.begin(), weighted.end(), 0.0);
       for (int64_t c = 0; c < used; ++c) {
         const double share = rescaled_sum[c] / total;
         for (int64_t i = 0; i < head_dim; ++i) {
-          weighted[i] += part_out[(b * chunks + c) * dim + hh * head_dim + i] * share;
+          weighted[i] += part_out.data()[plan.slot(b, c) * dim + hh * head_dim + i] * share;
         }
       }
       finish_head(b, hh, best, total, weighted.data());
@@ -748,7 +748,7 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
   const auto sc = static_cast<acc>(scale);
   const RowListing listing = list_rows(rows.listed, batch, seq_len);
   const RowList& list = listing.view;
-  const int64_t chunks = chunks_for(list.upper());
+  const ChunkPlan plan(list, batch);
   // Per-row values live at [(b * row_batch + h) * seq_len + l]: [B, H, L], or one [H, T] for a packed batch.
   const int64_t row_batch = rows.packed() ? 0 : heads, row_texts = rows.packed() ? 1 : batch;
   // The scores as the forward computed them (row_scores, the same query order).
@@ -760,16 +760,21 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
   using wide = std::conditional_t<std::is_same_v<scalar_t, double>, long double, double>;
   std::vector<acc> prob(row_texts * heads * seq_len);
   std::vector<wide> err(row_texts * heads * seq_len);
-  std::vector<wide> part_pex(batch * chunks * dim, wide(0)), part_px(batch * chunks * dim, wide(0));
-  std::vector<wide> part_pe(batch * chunks * heads, wide(0));
-  const int64_t unit = head_block_unit(heads, head_dim, batch * chunks);  // a bound above the chunk count
-  for_each_chunk(list, batch, dim, unit, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n,
-                                             const ChunkRows& chunk_rows) {
-    const int64_t h0 = d0 / head_dim, block_heads = n / head_dim, part = b * chunks + chunk;
+  // (Every chunk's sums are kept, a text of one chunk's too: plan.index numbers them.)
+  const CallScratch<wide, 0> part_pex(plan.chunks() * dim);
+  const CallScratch<wide, 1> part_px(plan.chunks() * dim);
+  const CallScratch<wide, 2> part_pe(plan.chunks() * heads);
+  const int64_t unit = head_block_unit(heads, head_dim, plan.chunks());
+  for_each_chunk(plan, list, dim, unit, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n,
+                                            const ChunkRows& chunk_rows) {
+    const int64_t h0 = d0 / head_dim, block_heads = n / head_dim, part = plan.index(b, chunk);
     // Rows add into the current run's sums (accumulation type), folded into the float64 partials every kFoldRows.
     acc* run = thread_scratch<acc, 0>(2 * n + block_heads);
     std::fill_n(run, 2 * n + block_heads, acc(0));
     acc* scores = thread_scratch<acc, 1>(block_heads);
+    std::fill_n(part_pex.data() + part * dim + d0, n, wide(0));
+    std::fill_n(part_px.data() + part * dim + d0, n, wide(0));
+    std::fill_n(part_pe.data() + part * heads + h0, block_heads, wide(0));
     const auto fold = [&] {
       fold_chunk(part_pex.data() + part * dim + d0, run, n);
       fold_chunk(part_px.data() + part * dim + d0, run + n, n);
@@ -853,14 +858,14 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
       for (int64_t hh = 0; hh < heads; ++hh) {
         wide s = 0;
         for (int64_t c = 0; c < used; ++c) {
-          s += part_pe[(b * chunks + c) * heads + hh];
+          s += part_pe.data()[plan.index(b, c) * heads + hh];
         }
         text_sums[b * heads + hh] = s;
         for (int64_t i = hh * head_dim; i < (hh + 1) * head_dim; ++i) {
           wide pex = 0, px = 0;
           for (int64_t c = 0; c < used; ++c) {
-            pex += part_pex[(b * chunks + c) * dim + i];
-            px += part_px[(b * chunks + c) * dim + i];
+            pex += part_pex.data()[plan.index(b, c) * dim + i];
+            px += part_px.data()[plan.index(b, c) * dim + i];
           }
           query_parts[b * dim + i] = static_cast<acc>(sc * (pex - s * px));
         }

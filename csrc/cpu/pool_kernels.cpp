@@ -259,12 +259,12 @@ struct MaxReducer {
 // rows), rows being the text's selected row count; then combine(b, d0, n, rows) finishes the texts of several
 // chunks.
 template <typename scalar_t, typename Reducer, typename ChunkDone, typename Combine>
-void pool_forward(const Tensor& hidden, const RowList& list, const ChunkDone& chunk_done,
+void pool_forward(const Tensor& hidden, const RowList& list, const ChunkPlan& plan, const ChunkDone& chunk_done,
                   const Combine& combine) {
   const int64_t batch = hidden.size(0), dim = hidden.size(2);
   const int64_t sb = hidden.stride(0), sl = hidden.stride(1), sd = hidden.stride(2);
   const scalar_t* h = hidden.const_data_ptr<scalar_t>();
-  for_each_chunk(list, batch, dim, 1, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n, const ChunkRows& rows) {
+  for_each_chunk(plan, list, dim, 1, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n, const ChunkRows& rows) {
     Reducer reducer;
     const scalar_t* block = h + b * sb + d0 * sd;
     if (rows.begin < rows.end) {
@@ -290,14 +290,14 @@ void mean_forward_typed(const Tensor& hidden, const RowSelection& rows, Tensor& 
   const int64_t batch = hidden.size(0), dim = hidden.size(2);
   const RowListing listing = list_rows(rows, batch, hidden.size(1));
   const RowList& list = listing.view;
-  const int64_t chunks = chunks_for(list.upper());
+  const ChunkPlan plan(list, batch);
   // The chunks' shares of the mean (chunk sum / the text's row count) of texts with several chunks, added in chunk
   // order. Shares rather than sums: each is at most the largest value, and so is every partial sum of them, so
   // float64 rows near float64's maximum give a finite mean wherever it is finite.
-  std::vector<double> partial(chunks > 1 ? batch * chunks * dim : 0);
+  const CallScratch<double, 0> partial(plan.slots() * dim);
   out_t* o = out.mutable_data_ptr<out_t>();
   pool_forward<scalar_t, SumReducer<scalar_t>>(
-      hidden, list,
+      hidden, list, plan,
       [&](int64_t b, int64_t chunk, int64_t d0, int64_t n, const SumReducer<scalar_t>& r, int64_t count) {
         if (count == 0) {
           std::fill_n(o + b * dim + d0, n, out_t(0));
@@ -310,16 +310,17 @@ void mean_forward_typed(const Tensor& hidden, const RowSelection& rows, Tensor& 
             dst[i] = static_cast<out_t>(share(i));
           }
         } else {
-          double* dst = partial.data() + (b * chunks + chunk) * dim + d0;
+          double* dst = partial.data() + plan.slot(b, chunk) * dim + d0;
           for (int64_t i = 0; i < n; ++i) {
             dst[i] = share(i);
           }
         }
       },
       [&](int64_t b, int64_t d0, int64_t n, int64_t count) {
-        std::vector<double> total(partial.begin() + b * chunks * dim + d0, partial.begin() + b * chunks * dim + d0 + n);
+        const double* first = partial.data() + plan.slot(b, 0) * dim + d0;
+        std::vector<double> total(first, first + n);
         for (int64_t c = 1; c * kChunkRows < count; ++c) {
-          const double* p = partial.data() + (b * chunks + c) * dim + d0;
+          const double* p = partial.data() + plan.slot(b, c) * dim + d0;
           for (int64_t i = 0; i < n; ++i) {
             total[i] += p[i];
           }
@@ -338,13 +339,13 @@ void max_forward_typed(const Tensor& hidden, const RowSelection& rows, Tensor& o
   const int64_t batch = hidden.size(0), dim = hidden.size(2);
   const RowListing listing = list_rows(rows, batch, hidden.size(1));
   const RowList& list = listing.view;
-  const int64_t chunks = chunks_for(list.upper());
-  std::vector<acc> partial(chunks > 1 ? batch * chunks * dim : 0);
-  std::vector<index_t> partial_where(partial.size());
+  const ChunkPlan plan(list, batch);
+  const CallScratch<acc, 0> partial(plan.slots() * dim);
+  const CallScratch<index_t, 1> partial_where(plan.slots() * dim);
   scalar_t* o = out.mutable_data_ptr<scalar_t>();
   int32_t* a = argmax.mutable_data_ptr<int32_t>();
   pool_forward<scalar_t, MaxReducer<scalar_t>>(
-      hidden, list,
+      hidden, list, plan,
       [&](int64_t b, int64_t chunk, int64_t d0, int64_t n, const MaxReducer<scalar_t>& r, int64_t count) {
         if (count <= kChunkRows) {  // the only chunk: finish here
           scalar_t* dst = o + b * dim + d0;
@@ -355,20 +356,20 @@ void max_forward_typed(const Tensor& hidden, const RowSelection& rows, Tensor& o
             pos[i] = count == 0 ? -1 : static_cast<int32_t>(r.where[i]);
           }
         } else {
-          std::copy_n(r.best, n, partial.data() + (b * chunks + chunk) * dim + d0);
-          std::copy_n(r.where, n, partial_where.data() + (b * chunks + chunk) * dim + d0);
+          std::copy_n(r.best, n, partial.data() + plan.slot(b, chunk) * dim + d0);
+          std::copy_n(r.where, n, partial_where.data() + plan.slot(b, chunk) * dim + d0);
         }
       },
       [&](int64_t b, int64_t d0, int64_t n, int64_t count) {
         // Chunks in order, with keep_max's rules: a later chunk wins only with a greater value or a first NaN.
         for (int64_t i = 0; i < n; ++i) {
-          acc best = partial[b * chunks * dim + d0 + i];
-          index_t where = partial_where[b * chunks * dim + d0 + i];
+          acc best = partial.data()[plan.slot(b, 0) * dim + d0 + i];
+          index_t where = partial_where.data()[plan.slot(b, 0) * dim + d0 + i];
           for (int64_t c = 1; c * kChunkRows < count; ++c) {
-            const acc x = partial[(b * chunks + c) * dim + d0 + i];
+            const acc x = partial.data()[plan.slot(b, c) * dim + d0 + i];
             if (takes_over(x, best)) {
               best = x;
-              where = partial_where[(b * chunks + c) * dim + d0 + i];
+              where = partial_where.data()[plan.slot(b, c) * dim + d0 + i];
             }
           }
           o[b * dim + d0 + i] = static_cast<scalar_t>(best);

@@ -755,29 +755,39 @@ lengths = [1] * 4000 + [65536]  # many short texts and one long one (CPU chunks 
 hidden = torch.randn(sum(lengths), 256, generator=torch.Generator().manual_seed(0)).to(device)
 offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
 query = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).to(device)
-long_text = hidden[4000:].unsqueeze(0)
+valid = torch.ones(len(hidden), dtype=torch.bool, device=device)
+valid[4000:4100] = False  # a prompt, excluded
+landmarks = torch.zeros(len(hidden), dtype=torch.bool, device=device)
+landmarks[:4000] = True
+landmarks[4031::32] = True
+long_text, long_valid, long_landmarks = hidden[4000:][None], valid[4000:][None], landmarks[4000:][None]
 
 def pool_all(measure):
     h = hidden.detach().requires_grad_()
     with measure():
         mean, top = lmk_ops.mean_pool(h, cu_seqlens=offsets), lmk_ops.max_pool(h, cu_seqlens=offsets)
-        attended = lmk_ops.attention_pool(h, None, query, cu_seqlens=offsets)
+        masked = lmk_ops.mean_pool(h, valid, cu_seqlens=offsets)
+        landmark = lmk_ops.landmark_mean(h, landmarks, cu_seqlens=offsets)
+        attended = lmk_ops.attention_pool(h, valid, query, cu_seqlens=offsets)
         (grad,) = torch.autograd.grad(attended.sum(), h)
     # The short texts pool to their one row, the long one as it does alone.
-    assert torch.equal(mean[:4000], hidden[:4000]) and torch.equal(top[:4000], hidden[:4000])
+    for pooled in (mean, top, masked, landmark, attended):
+        assert torch.equal(pooled[:4000], hidden[:4000])
     assert torch.equal(mean[4000], lmk_ops.mean_pool(long_text)[0])
     assert torch.equal(top[4000], lmk_ops.max_pool(long_text)[0])
-    assert torch.equal(attended[4000], lmk_ops.attention_pool(long_text, None, query)[0])
+    assert torch.equal(masked[4000], lmk_ops.mean_pool(long_text, long_valid)[0])
+    assert torch.equal(landmark[4000], lmk_ops.landmark_mean(long_text, long_landmarks)[0])
+    assert torch.equal(attended[4000], lmk_ops.attention_pool(long_text, long_valid, query)[0])
     assert grad.isfinite().all()
 """
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_packed_batch_of_short_texts_and_a_long_one_pools_in_memory_of_its_size(device):
-    """The chunks' partial results take room for the chunks there are. Laid out per text for the longest text's
-    chunks, 4000 one-token texts beside one of 65536 tokens (D 256, 70 MB) took 1 GB for the mean and 2 GB for
-    attention's backward on CPU (4 GB and more on CUDA, whose chunks are shorter); the bound here is the input's size
-    three times over (the gradient is one)."""
+    """The chunks' partial results and the lists of selected rows take room for what there is. Laid out per text
+    for the longest text, 4000 one-token texts beside one of 65536 tokens (D 256, 70 MB) took 1 GB for the mean and
+    2 GB for attention's backward on CPU, and listing a mask's rows 2 GB more (on CUDA, whose chunks are shorter,
+    4 GB and more); the bound here is the input's size three times over (the gradient is one)."""
     input_bytes = (4000 + 65536) * 256 * 4
     if device == "cuda":
         scope = {"torch": torch, "lmk_ops": lmk_ops, "device": device}

@@ -143,8 +143,8 @@ Tensor PackedBatch::list_rows(const Tensor& selected) const {
 }
 
 RowSelection PackedBatch::selection(const Tensor& selected) const {
-  if (takes_host_path(offsets) && !selected.defined()) {
-    return {Tensor(), Tensor(), as_contiguous(starts), as_contiguous(lengths)};
+  if (takes_host_path(offsets)) {
+    return {selected, Tensor(), as_contiguous(starts), as_contiguous(lengths)};
   }
   return {Tensor(), list_rows(selected)};
 }
@@ -264,7 +264,7 @@ RowSelection prepare_packed_landmarks(const char* op, const Tensor& landmarks, c
   if (landmarks.scalar_type() == ScalarType::Long) {
     return {Tensor(), prepare_packed_positions(op, landmarks, packed, like, values)};
   }
-  return {Tensor(), packed.list_rows(prepare_packed_landmark_mask(op, landmarks, packed, like))};
+  return packed.selection(prepare_packed_landmark_mask(op, landmarks, packed, like));
 }
 
 }  // namespace lmk_ops

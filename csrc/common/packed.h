@@ -35,9 +35,9 @@ struct PackedBatch {
   // The absolute rows where selected [T] (bool) is true, per text in order, as [B, K] padded with -1 (K: at least
   // the most rows a text has selected, exactly that on CPU); every row of each text when selected is undefined.
   Tensor list_rows(const Tensor& selected) const;
-  // The rows the forward kernels reduce, for the [B, T, D] batch view: where selected [T] (bool) is true, as
-  // list_rows gives them; every row of each text (selected undefined) as runs on CPU (kernel_types.h), listed on
-  // CUDA.
+  // The rows the forward kernels reduce, for the [B, T, D] batch view: where selected [T] (bool) is true, every row
+  // of each text when it is undefined. On CPU as runs with selected as their mask (kernel_types.h), which the
+  // kernels list in as many entries as rows are selected; on CUDA listed as list_rows gives them.
   RowSelection selection(const Tensor& selected) const;
   // How many rows each text has where selected [T] (bool) is true, [B] int64.
   Tensor count(const Tensor& selected) const;

@@ -248,7 +248,7 @@ def test_cpu_tensors_take_the_paths_the_build_says():
     hidden, offsets = torch.randn(10, 8), torch.tensor([0, 3, 10], dtype=torch.int32)
     with torch.no_grad(), torch.profiler.profile() as profiler:
         lmk_ops.mean_pool(hidden, cu_seqlens=offsets, max_seqlen=7)
-    composed = {"aten::cumsum", "aten::where"} & {event.name for event in profiler.events()}
+    composed = {event.name for event in profiler.events() if event.name.startswith("aten::")}
     assert bool(composed) == lmk_ops.build_info()["cpu_twin"], composed
 
 

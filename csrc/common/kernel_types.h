@@ -18,9 +18,8 @@ using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float
 // undefined), the rows where a contiguous bool [B, L] mask is true, the rows listed in contiguous int64 [B, K]
 // positions (-1 entries skipped; the others checked to lie in [0, L); a repeated position counts as often as it is
 // listed), or runs: text b's rows are [starts[b], starts[b] + lengths[b]) (contiguous int64 [B]; a packed batch's
-// texts), every row of them, or with mask a contiguous bool [T], the rows where it is true. Runs are a CPU form
-// (PackedBatch::selection gives them on CPU alone): listing every row would cost more than the reduction's share of
-// a pass, and a [B, K] list takes B times the longest text's room.
+// texts), every row of them, or with mask a contiguous bool [T], the rows where it is true. (Not a [B, K] list of
+// a packed batch's rows: that takes B times the longest text's room.)
 using Tensor = torch::stable::Tensor;
 
 struct RowSelection {

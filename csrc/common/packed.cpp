@@ -17,14 +17,6 @@ std::string message(const char* op, const std::string& expected) {
   return std::string("lmk_ops.") + op + ": " + expected;
 }
 
-// The number of selected rows before each row, and after the last: [T + 1] int64.
-Tensor selected_before(const Tensor& selected) {
-  Tensor before = zeros_on(selected, {selected.size(0) + 1}, ScalarType::Long);
-  Tensor after_each = slice(before, 0, 1, selected.size(0));
-  torch::stable::copy_(after_each, aten("aten::cumsum", "", selected, int64_t{0}, std::optional(ScalarType::Long)));
-  return before;
-}
-
 // The values of a packed batch's offsets: first 0, last T, non-decreasing, no text longer than max_seqlen; a
 // failure names the entry (check_range's message). On the CPU plain loops over the B + 1 offsets decide, and only a
 // bad batch goes on to check_range, which then raises (four kernel calls would cost more than a first_token_pool's
@@ -63,15 +55,11 @@ void check_offsets(const char* op, const PackedBatch& packed, const Tensor& like
 
 }  // namespace
 
-int64_t PackedBatch::width() const {
-  if (max_seqlen.has_value()) {
-    return *max_seqlen;
-  }
-  int64_t longest = 0;
-  for (const int64_t length : int64_values(lengths)) {
-    longest = std::max(longest, length);
-  }
-  return longest;
+Tensor selected_before(const Tensor& selected) {
+  Tensor before = zeros_on(selected, {selected.size(0) + 1}, ScalarType::Long);
+  Tensor after_each = slice(before, 0, 1, selected.size(0));
+  torch::stable::copy_(after_each, aten("aten::cumsum", "", selected, int64_t{0}, std::optional(ScalarType::Long)));
+  return before;
 }
 
 Tensor PackedBatch::batch_view(const Tensor& hidden) const {
@@ -102,51 +90,8 @@ Tensor PackedBatch::relative(const Tensor& rows) const {
   return to_dtype(where(ge(rows, 0), sub(rows, torch::stable::unsqueeze(starts, 1)), -1), rows.scalar_type());
 }
 
-Tensor PackedBatch::list_rows(const Tensor& selected) const {
-  if (takes_host_path(offsets)) {  // two passes over the rows (count, list), where the ATen form below takes several
-    const int64_t* o = offsets.const_data_ptr<int64_t>();
-    const bool* s = selected.defined() ? selected.const_data_ptr<bool>() : nullptr;
-    const auto selected_in = [&](int64_t b) {
-      return s == nullptr ? o[b + 1] - o[b] : std::count(s + o[b], s + o[b + 1], true);
-    };
-    int64_t k = 0;  // as wide as the most rows a text has selected (landmarks: a few of its rows)
-    for (int64_t b = 0; b < batch; ++b) {
-      k = std::max<int64_t>(k, selected_in(b));
-    }
-    Tensor rows = full_on(offsets, {batch, k}, -1, ScalarType::Long);
-    int64_t* out = rows.mutable_data_ptr<int64_t>();
-    for (int64_t b = 0; b < batch; ++b) {
-      int64_t* listed = out + b * k;
-      for (int64_t t = o[b], j = 0; t < o[b + 1]; ++t) {
-        if (s == nullptr || s[t]) {
-          listed[j++] = t;
-        }
-      }
-    }
-    return rows;
-  }
-  const int64_t k = width();
-  if (!selected.defined()) {
-    const Tensor column = torch::stable::unsqueeze(arange_on(offsets, k), 0);
-    return as_contiguous(where(lt(column, torch::stable::unsqueeze(lengths, 1)),
-                            add(column, torch::stable::unsqueeze(starts, 1)), -1));
-  }
-  // Each selected row goes to slot (its text, its rank among the text's selected rows); the others to a spare
-  // last slot, dropped after.
-  const Tensor text = text_of_rows();
-  const Tensor before = selected_before(selected);
-  const Tensor rank = sub(slice(before, 0, 0, tokens), index_select(index_select(before, 0, starts), 0, text));
-  const Tensor slot = where(selected, add(mul(text, k), rank), batch * k);
-  Tensor rows = full_on(offsets, {batch * k + 1}, -1, ScalarType::Long);
-  aten("aten::scatter_", "src", rows, int64_t{0}, slot, arange_on(offsets, tokens));
-  return torch::stable::view(slice(rows, 0, 0, batch * k), {batch, k});
-}
-
 RowSelection PackedBatch::selection(const Tensor& selected) const {
-  if (takes_host_path(offsets)) {
-    return {selected, Tensor(), as_contiguous(starts), as_contiguous(lengths)};
-  }
-  return {Tensor(), list_rows(selected)};
+  return {selected, Tensor(), as_contiguous(starts), as_contiguous(lengths)};
 }
 
 Tensor PackedBatch::count(const Tensor& selected) const {

@@ -4,14 +4,18 @@
 //
 // The kernels never see a layout, only each text's ordered list of selected rows (common/kernel_types.h). A
 // packed batch becomes the padded kernels' input with no copy: hidden viewed as [B, T, D] with a batch stride of 0
-// (every text sees all T rows) and each text's selected rows listed as absolute row numbers. The kernels then walk
-// the same rows in the same order as for the padded batch, so a text pools to the same bits in either layout.
+// (every text sees all T rows) and each text's rows given as a run of absolute row numbers (with a mask, the run's
+// rows where it is true). The kernels then walk the same rows in the same order as for the padded batch, so a text
+// pools to the same bits in either layout.
 #include <optional>
 
 #include "common/checks.h"
 #include "common/tensor_ops.h"
 
 namespace lmk_ops {
+
+// The number of true entries of selected [T] (bool) before each entry, and in all: [T + 1] int64.
+Tensor selected_before(const Tensor& selected);
 
 struct PackedBatch {
   Tensor offsets;  // cu_seqlens as int64 [B + 1], contiguous
@@ -21,9 +25,6 @@ struct PackedBatch {
   int64_t tokens = 0;  // T
   std::optional<int64_t> max_seqlen;
 
-  // The most rows a text has: max_seqlen when given, else read from the offsets (a synchronisation on CUDA).
-  int64_t width() const;
-
   // hidden [T, D] as [B, T, D] with batch stride 0: the input of the padded kernels for absolute row lists.
   Tensor batch_view(const Tensor& hidden) const;
   // The text of each row [T] (int64), with no host synchronisation.
@@ -32,12 +33,9 @@ struct PackedBatch {
   Tensor absolute(const Tensor& positions) const;
   // Absolute rows of hidden ([B, K] int32 or int64, -1 padded) counted from each text's start again, in their dtype.
   Tensor relative(const Tensor& rows) const;
-  // The absolute rows where selected [T] (bool) is true, per text in order, as [B, K] padded with -1 (K: at least
-  // the most rows a text has selected, exactly that on CPU); every row of each text when selected is undefined.
-  Tensor list_rows(const Tensor& selected) const;
   // The rows the forward kernels reduce, for the [B, T, D] batch view: where selected [T] (bool) is true, every row
-  // of each text when it is undefined. On CPU as runs with selected as their mask (kernel_types.h), which the
-  // kernels list in as many entries as rows are selected; on CUDA listed as list_rows gives them.
+  // of each text when it is undefined; as runs with selected as their mask (kernel_types.h), which the kernels list
+  // in as many entries as rows are selected.
   RowSelection selection(const Tensor& selected) const;
   // How many rows each text has where selected [T] (bool) is true, [B] int64.
   Tensor count(const Tensor& selected) const;

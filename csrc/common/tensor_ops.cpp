@@ -81,15 +81,6 @@ Tensor to_dtype(const Tensor& t, ScalarType dtype) {
   return t.scalar_type() == dtype ? t : torch::stable::to(t, dtype);
 }
 
-std::vector<int64_t> int64_values(const Tensor& t) {
-  Tensor values = as_contiguous(to_dtype(t, ScalarType::Long));
-  if (!values.is_cpu()) {
-    values = torch::stable::to(values, torch::stable::Device(torch::headeronly::DeviceType::CPU));
-  }
-  const int64_t* data = values.const_data_ptr<int64_t>();
-  return std::vector<int64_t>(data, data + values.numel());
-}
-
 Tensor add(const Tensor& a, const Tensor& b) {
   return minus_scaled(a, b, -1.0);
 }

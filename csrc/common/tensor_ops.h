@@ -62,8 +62,6 @@ Tensor slice(const Tensor& t, int64_t dim, int64_t start, int64_t length);
 // t itself when it already is contiguous (or of dtype), else a contiguous copy (a copy in dtype).
 Tensor as_contiguous(const Tensor& t);
 Tensor to_dtype(const Tensor& t, ScalarType dtype);
-// t's elements on the CPU as int64 values (a synchronisation on CUDA).
-std::vector<int64_t> int64_values(const Tensor& t);
 
 // Element-wise, broadcasting as ATen does; a scalar operand becomes a 0-d tensor of a's dtype on a's device.
 Tensor add(const Tensor& a, const Tensor& b);

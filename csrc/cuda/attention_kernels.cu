@@ -241,7 +241,7 @@ template <typename scalar_t, int VEC, int P>
 __global__ void __launch_bounds__(kThreads)
     attention_chunks(const scalar_t* hidden, int64_t sb, int64_t sl, int64_t sd, SelectedRows rows,
                      const acc_t<scalar_t>* query, acc_t<scalar_t> scale, int64_t heads, HeadLayout layout,
-                     int64_t chunks, scalar_t* out, double* stats, acc_t<scalar_t>* scores, int64_t row_values_batch,
+                     ChunkView chunks, scalar_t* out, double* stats, acc_t<scalar_t>* scores, int64_t row_values_batch,
                      acc_t<scalar_t>* part_max, acc_t<scalar_t>* part_sum, double* part_out) {
   using acc = acc_t<scalar_t>;
   constexpr acc kNegInf = -std::numeric_limits<acc>::infinity();
@@ -252,11 +252,12 @@ __global__ void __launch_bounds__(kThreads)
                 "a shrunk chunk's sums, and the merge of up to kThreads / 32 row lanes' sums, must stay finite");
   constexpr int R = kRowsInFlight / P;  // a lane with more packs keeps fewer rows in flight (same registers)
   extern __shared__ __align__(16) unsigned char shared_bytes[];
-  const int64_t tile = blockIdx.x % layout.tiles, chunk = (blockIdx.x / layout.tiles) % chunks;
-  const int64_t b = blockIdx.x / (layout.tiles * chunks), n = rows.rows(b), begin = chunk * kChunkRows;
-  if (begin >= n && chunk > 0) {
-    return;
+  const int64_t tile = blockIdx.x % layout.tiles, part = blockIdx.x / layout.tiles;
+  if (part >= chunks.count()) {
+    return;  // past the texts' chunks (the grid is sized by a bound)
   }
+  const int64_t b = chunks.text_of(part), chunk = part - chunks.first[b];
+  const int64_t n = rows.rows(b), begin = chunk * kChunkRows;
   const int64_t end = std::min(begin + kChunkRows, n), dim = heads * layout.head_packs * VEC;
   const HeadLane<P> me = head_lane<P>(layout, tile, heads);
   acc q[P][VEC];
@@ -392,7 +393,6 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  const int64_t part = b * chunks + chunk;
 #pragma unroll
   for (int p = 0; p < P; ++p) {
     if (!me.active[p]) {
@@ -427,7 +427,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename scalar_t>
 __global__ void attention_combine(const acc_t<scalar_t>* part_max, const acc_t<scalar_t>* part_sum,
                                   const double* part_out, SelectedRows rows, int64_t batch, int64_t heads,
-                                  int64_t head_dim, int64_t chunks, scalar_t* out, double* stats) {
+                                  int64_t head_dim, ChunkView chunks, scalar_t* out, double* stats) {
   using acc = acc_t<scalar_t>;
   const int64_t dim = heads * head_dim, i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (i >= batch * dim) {
@@ -437,10 +437,10 @@ __global__ void attention_combine(const acc_t<scalar_t>* part_max, const acc_t<s
   if (n <= kChunkRows) {
     return;
   }
-  const int64_t used = ceil_div(n, kChunkRows);
+  const int64_t first = chunks.first[b], used = ceil_div(n, kChunkRows);
   acc best = -std::numeric_limits<acc>::infinity();
   for (int64_t c = 0; c < used; ++c) {
-    const acc m = part_max[(b * chunks + c) * heads + h];
+    const acc m = part_max[(first + c) * heads + h];
     best = m > best ? m : best;
   }
   // Summed in float64, so the error does not grow with the number of chunks.
@@ -451,10 +451,10 @@ __global__ void attention_combine(const acc_t<scalar_t>* part_max, const acc_t<s
   };
   double total = 0, weighted = 0;
   for (int64_t c = 0; c < used; ++c) {
-    total += rescaled_sum(b * chunks + c);
+    total += rescaled_sum(first + c);
   }
   for (int64_t c = 0; c < used; ++c) {
-    weighted += part_out[(b * chunks + c) * dim + d] * (rescaled_sum(b * chunks + c) / total);
+    weighted += part_out[(first + c) * dim + d] * (rescaled_sum(first + c) / total);
   }
   out[i] = static_cast<scalar_t>(weighted);
   if (d % head_dim == 0) {
@@ -464,18 +464,20 @@ __global__ void attention_combine(const acc_t<scalar_t>* part_max, const acc_t<s
 }
 
 // weights[b, h, l] (packed: [h, l]) = exp(score - max) / sum for the valid rows (scores were left there by
-// attention_chunks).
+// attention_chunks). A thread per (chunk, head, row of the chunk): the grid is sized by the chunks' bound.
 template <typename acc>
 __global__ void scores_to_weights(acc* weights, int64_t row_values_batch, const double* stats, SelectedRows rows,
-                                  int64_t batch, int64_t heads, int64_t upper) {
+                                  ChunkView chunks, int64_t heads) {
   const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
-  if (i >= batch * heads * upper) {
+  const int64_t part = i / (heads * kChunkRows), h = i / kChunkRows % heads;
+  if (part >= chunks.count()) {
     return;
   }
-  const int64_t bh = i / upper, j = i % upper, b = bh / heads, h = bh % heads;
+  const int64_t b = chunks.text_of(part), j = (part - chunks.first[b]) * kChunkRows + i % kChunkRows;
   if (j >= rows.rows(b)) {
     return;
   }
+  const int64_t bh = b * heads + h;
   acc& w = weights[b * row_values_batch + h * rows.seq_len + rows.row(b, j)];
   w = device_exp(w - static_cast<acc>(stats[bh * 2])) / static_cast<acc>(stats[bh * 2 + 1]);
 }
@@ -484,7 +486,7 @@ template <typename scalar_t, int VEC, int P>
 __global__ void __launch_bounds__(kThreads)
     attention_backward_chunks(const scalar_t* hidden, int64_t sb, int64_t sl, int64_t sd, SelectedRows rows,
                               const acc_t<scalar_t>* query, acc_t<scalar_t> scale, int64_t heads, HeadLayout layout,
-                              int64_t chunks, const acc_t<scalar_t>* grad, const acc_t<scalar_t>* grad_weights,
+                              ChunkView chunks, const acc_t<scalar_t>* grad, const acc_t<scalar_t>* grad_weights,
                               const acc_t<scalar_t>* out, const double* stats, acc_t<scalar_t>* prob, double* err,
                               int64_t row_values_batch, double* part_pe, double* part_pex, double* part_px) {
   using acc = acc_t<scalar_t>;
@@ -495,10 +497,14 @@ __global__ void __launch_bounds__(kThreads)
   // p e (x - m) past float32's range even shrunk, whose query gradient is past it too.
   constexpr int R = kRowsInFlight / P;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
-  const int64_t tile = blockIdx.x % layout.tiles, chunk = (blockIdx.x / layout.tiles) % chunks;
-  const int64_t b = blockIdx.x / (layout.tiles * chunks), n = rows.rows(b), begin = chunk * kChunkRows;
+  const int64_t tile = blockIdx.x % layout.tiles, part = blockIdx.x / layout.tiles;
+  if (part >= chunks.count()) {
+    return;  // past the texts' chunks (the grid is sized by a bound)
+  }
+  const int64_t b = chunks.text_of(part), chunk = part - chunks.first[b];
+  const int64_t n = rows.rows(b), begin = chunk * kChunkRows;
   if (begin >= n) {
-    return;  // nothing of this text here (a text with no valid row has no chunk)
+    return;  // a text with no valid row: its one chunk has no rows
   }
   const int64_t end = std::min(begin + kChunkRows, n), dim = heads * layout.head_packs * VEC;
   const HeadLane<P> me = head_lane<P>(layout, tile, heads);
@@ -617,7 +623,6 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  const int64_t part = b * chunks + chunk;
   const double unshrink = 1.0 / static_cast<double>(shrink);
 #pragma unroll
   for (int p = 0; p < P; ++p) {
@@ -641,7 +646,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename acc>
 __global__ void attention_text_sums(const double* part_pe, const double* part_pex, const double* part_px,
                                     SelectedRows rows, int64_t batch, int64_t heads, int64_t head_dim,
-                                    int64_t chunks, acc scale, double* text_sums, acc* query_shares) {
+                                    ChunkView chunks, acc scale, double* text_sums, acc* query_shares) {
   const int64_t dim = heads * head_dim, i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (i >= batch * dim) {
     return;
@@ -649,7 +654,7 @@ __global__ void attention_text_sums(const double* part_pe, const double* part_pe
   const int64_t b = i / dim, d = i % dim, h = d / head_dim;
   double s = 0, pex = 0, px = 0;  // float64, so the error does not grow with the number of chunks
   for (int64_t c = 0; c < ceil_div(rows.rows(b), kChunkRows); ++c) {
-    const int64_t part = b * chunks + c;
+    const int64_t part = chunks.first[b] + c;
     s += part_pe[part * heads + h];
     pex += part_pex[part * dim + d];
     px += part_px[part * dim + d];
@@ -726,7 +731,7 @@ struct Plan {
   int64_t batch, seq_len, dim, heads, head_dim;
   Tensor hidden;
   RowList list;
-  int64_t chunks;
+  ChunkPlan chunks;
   HeadLayout layout;
   ScalarType wide;            // the accumulation type
   int64_t row_values_batch;  // elements between two texts' per-row values (weights, p, e): H * L, packed 0
@@ -763,8 +768,8 @@ Plan make_plan(const Tensor& hidden, const AttentionRows& rows, const Tensor& qu
       kMaxHeadPacks * kWidest, " features wide in ", torch::headeronly::toString(hidden.scalar_type()), " (", kMaxHeadPacks,
       " when its width is not a multiple of ", kWidest, "), got ", head_dim);
   RowList list = select_rows(rows.listed, batch, seq_len);
-  const int64_t chunks = std::max<int64_t>(1, ceil_div(list.upper, kChunkRows));
-  return {batch, seq_len, hidden.size(2), heads, head_dim, source, std::move(list), chunks,
+  ChunkPlan chunks = plan_chunks(list, batch, hidden);
+  return {batch, seq_len, hidden.size(2), heads, head_dim, source, std::move(list), std::move(chunks),
           head_layout(vec, heads, head_dim), acc_dtype(hidden.scalar_type()), rows.packed() ? 0 : heads * seq_len};
 }
 
@@ -775,33 +780,34 @@ void forward_typed(const Tensor& hidden_in, const AttentionRows& rows, const Ten
   const Plan plan = make_plan<scalar_t>(hidden_in, rows, query);
   const auto& [batch, seq_len, dim, heads, head_dim, hidden, list, chunks, layout, wide, row_values_batch] = plan;
   Tensor part_max, part_sum, part_out;
-  if (chunks > 1) {
-    part_max = empty_on(hidden, {batch, chunks, heads}, wide);
-    part_sum = empty_on(hidden, {batch, chunks, heads}, wide);
-    part_out = empty_on(hidden, {batch, chunks, dim}, ScalarType::Double);  // near acc's maximum: see attention_combine
+  if (chunks.several()) {
+    part_max = empty_on(hidden, {chunks.bound, heads}, wide);
+    part_sum = empty_on(hidden, {chunks.bound, heads}, wide);
+    part_out = empty_on(hidden, {chunks.bound, dim}, ScalarType::Double);  // near acc's maximum: see attention_combine
   }
   const auto data = [](Tensor& t) { return t.defined() ? t.mutable_data_ptr<acc>() : nullptr; };
   double* chunk_out = part_out.defined() ? part_out.mutable_data_ptr<double>() : nullptr;
   with_head_layout<scalar_t>(layout, [&]<int VEC, int P>() {
     const size_t shared = layout.row_lanes > 1 ? size_t{kThreads} * (P * VEC + 2) * sizeof(acc) : 0;
     attention_chunks<scalar_t, VEC, P>
-        <<<checked_blocks(batch * chunks * layout.tiles), dim3(layout.lanes, layout.row_lanes), shared, stream()>>>(
+        <<<checked_blocks(chunks.bound * layout.tiles), dim3(layout.lanes, layout.row_lanes), shared, stream()>>>(
             hidden.const_data_ptr<scalar_t>(), hidden.stride(0), hidden.stride(1), hidden.stride(2), list.view(),
-            query.const_data_ptr<acc>(), static_cast<acc>(scale), heads, layout, chunks, out.mutable_data_ptr<scalar_t>(),
+            query.const_data_ptr<acc>(), static_cast<acc>(scale), heads, layout, chunks.view(),
+            out.mutable_data_ptr<scalar_t>(),
             stats.mutable_data_ptr<double>(), data(weights), row_values_batch, data(part_max), data(part_sum),
             chunk_out);
     check_launch();
   });
-  if (chunks > 1) {
+  if (chunks.several()) {
     attention_combine<scalar_t><<<ceil_div(batch * dim, kThreads), kThreads, 0, stream()>>>(
-        data(part_max), data(part_sum), chunk_out, list.view(), batch, heads, head_dim, chunks,
+        data(part_max), data(part_sum), chunk_out, list.view(), batch, heads, head_dim, chunks.view(),
         out.mutable_data_ptr<scalar_t>(), stats.mutable_data_ptr<double>());
     check_launch();
   }
   if (weights.defined()) {
-    scores_to_weights<acc><<<ceil_div(batch * heads * list.upper, kThreads), kThreads, 0, stream()>>>(
-        weights.mutable_data_ptr<acc>(), row_values_batch, stats.const_data_ptr<double>(), list.view(), batch, heads,
-        list.upper);
+    scores_to_weights<acc><<<ceil_div(chunks.bound * heads * kChunkRows, kThreads), kThreads, 0, stream()>>>(
+        weights.mutable_data_ptr<acc>(), row_values_batch, stats.const_data_ptr<double>(), list.view(), chunks.view(),
+        heads);
     check_launch();
   }
 }
@@ -818,18 +824,18 @@ void backward_typed(const Tensor& grad, const Tensor& grad_weights, const Tensor
   Tensor prob = empty_on(hidden, {row_texts, heads, seq_len}, wide);
   // e, S and the chunk sums in float64: near float32's maximum they pass its range though the gradients do not.
   Tensor err = empty_on(hidden, {row_texts, heads, seq_len}, ScalarType::Double);
-  Tensor part_pe = empty_on(hidden, {batch, chunks, heads}, ScalarType::Double);
-  Tensor part_pex = empty_on(hidden, {batch, chunks, dim}, ScalarType::Double);
-  Tensor part_px = empty_on(hidden, {batch, chunks, dim}, ScalarType::Double);
+  Tensor part_pe = empty_on(hidden, {chunks.bound, heads}, ScalarType::Double);
+  Tensor part_pex = empty_on(hidden, {chunks.bound, dim}, ScalarType::Double);
+  Tensor part_px = empty_on(hidden, {chunks.bound, dim}, ScalarType::Double);
   Tensor text_sums = empty_on(hidden, {batch, heads}, ScalarType::Double);
   Tensor query_shares = empty_on(hidden, {batch, dim}, wide);
   const acc wide_scale = static_cast<acc>(scale);
   with_head_layout<scalar_t>(layout, [&]<int VEC, int P>() {
     const size_t shared = layout.row_lanes > 1 ? size_t{kThreads} * (2 * P * VEC + 1) * sizeof(acc) : 0;
     attention_backward_chunks<scalar_t, VEC, P>
-        <<<checked_blocks(batch * chunks * layout.tiles), dim3(layout.lanes, layout.row_lanes), shared, stream()>>>(
+        <<<checked_blocks(chunks.bound * layout.tiles), dim3(layout.lanes, layout.row_lanes), shared, stream()>>>(
             hidden.const_data_ptr<scalar_t>(), hidden.stride(0), hidden.stride(1), hidden.stride(2), list.view(),
-            query.const_data_ptr<acc>(), wide_scale, heads, layout, chunks, grad.const_data_ptr<acc>(),
+            query.const_data_ptr<acc>(), wide_scale, heads, layout, chunks.view(), grad.const_data_ptr<acc>(),
             grad_weights.defined() ? grad_weights.const_data_ptr<acc>() : nullptr, out.const_data_ptr<acc>(),
             stats.const_data_ptr<double>(), prob.mutable_data_ptr<acc>(), err.mutable_data_ptr<double>(),
             row_values_batch, part_pe.mutable_data_ptr<double>(), part_pex.mutable_data_ptr<double>(),
@@ -838,7 +844,7 @@ void backward_typed(const Tensor& grad, const Tensor& grad_weights, const Tensor
   });
   attention_text_sums<acc><<<ceil_div(batch * dim, kThreads), kThreads, 0, stream()>>>(
       part_pe.const_data_ptr<double>(), part_pex.const_data_ptr<double>(), part_px.const_data_ptr<double>(),
-      list.view(), batch, heads, head_dim, chunks, wide_scale, text_sums.mutable_data_ptr<double>(),
+      list.view(), batch, heads, head_dim, chunks.view(), wide_scale, text_sums.mutable_data_ptr<double>(),
       query_shares.mutable_data_ptr<acc>());
   check_launch();
   Tensor flat_grad_query = torch::stable::view(grad_query, {dim});

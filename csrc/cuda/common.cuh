@@ -142,45 +142,93 @@ void with_vector_width(int vec, const Body& body) {
   }
 }
 
-// A text's selected rows in order, as select_rows lists them. (An explicit flag for "every row": an empty list of
-// positions has no data pointer either.)
+// A text's selected rows in order, as select_rows gives them: listed, in a [B, width] table or (start given) the
+// texts' lists one after another from start[b]; or runs, text b's rows start[b] .. start[b] + count[b] - 1 (a
+// packed batch's texts); or every row, 0 .. seq_len - 1. (An explicit flag for "listed": an empty list has no data
+// pointer either.)
 struct SelectedRows {
-  const int64_t* order;  // [B, width]
-  const int64_t* count;  // [B]
+  const int64_t* order;  // the listed rows
+  const int64_t* count;  // [B]: rows per text; seq_len each when null
+  const int64_t* start;  // [B]: where each text's list (listed) or run (not) starts; null: at b * width, or 0
   int64_t width;
   int64_t seq_len;
-  bool every_row;
+  bool listed;
 
   __device__ __forceinline__ int64_t rows(int64_t b) const {
-    return every_row ? seq_len : count[b];
+    return count != nullptr ? count[b] : seq_len;
   }
   __device__ __forceinline__ int64_t row(int64_t b, int64_t j) const {
-    return every_row ? j : order[b * width + j];
+    return listed ? order[(start != nullptr ? start[b] : b * width) + j] : (start != nullptr ? start[b] : 0) + j;
   }
 };
 
-// The selected rows of each text, listed in order on the device: for a mask its true rows, for positions the
-// entries that are not -1; nothing past count[b] is written. Nothing is listed when every row is selected.
-// `upper` is the most rows a text can have (no synchronisation is needed to size the grid: blocks past a text's
-// count return at once).
+// The selected rows of each text, on the device, as SelectedRows says (undefined tensors for null pointers): for a
+// mask its true rows, for positions the entries that are not -1 (nothing past count[b] is written), for a packed
+// batch's runs every row or, with a [T] mask, the true rows listed one text after another. `upper` is the most rows
+// a text can have and `total` the most rows all texts together can have, known without a synchronisation: they size
+// the grids (ChunkPlan), whose blocks past the texts' rows return at once.
 struct RowList {
-  Tensor order;  // int64 [B, width], or undefined for every row
-  Tensor count;  // int64 [B], or undefined for every row
-  int64_t upper;
+  Tensor order;
+  Tensor count;
+  Tensor start;
+  int64_t width;
   int64_t seq_len;
+  int64_t upper;
+  int64_t total;
 
   SelectedRows view() const {
     return {order.defined() ? order.const_data_ptr<int64_t>() : nullptr,
-            count.defined() ? count.const_data_ptr<int64_t>() : nullptr, order.defined() ? order.size(1) : 0, seq_len,
-            !order.defined()};
+            count.defined() ? count.const_data_ptr<int64_t>() : nullptr,
+            start.defined() ? start.const_data_ptr<int64_t>() : nullptr, width, seq_len, order.defined()};
   }
 };
 
 RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_len);
-// A bool mask [B, L] (or undefined for every row) as a RowList.
-inline RowList select_valid(const Tensor& valid, int64_t batch, int64_t seq_len) {
-  return select_rows(RowSelection{valid, Tensor(), Tensor(), Tensor()}, batch, seq_len);
-}
+
+// The chunks of a call's texts, numbered text by text: text b's are first[b] .. first[b + 1] - 1, at least one (a
+// text with no row still writes its zeros). One block (per tile) reduces one chunk, and chunk g's partial results
+// are at g: room only for the chunks there are. (Laid out [B, the longest text's chunks], 4000 one-token texts beside
+// one of 65536 tokens made 2 million blocks and 4 GB of partial results at D 256.)
+struct ChunkView {
+  const int64_t* first;  // [B + 1]
+  int64_t batch;
+
+  __device__ __forceinline__ int64_t count() const {
+    return first[batch];
+  }
+  // The text of chunk g < count(): the last b with first[b] <= g.
+  __device__ __forceinline__ int64_t text_of(int64_t g) const {
+    int64_t lo = 0, hi = batch - 1;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (first[mid] <= g) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    return lo;
+  }
+};
+
+// A call's chunks (ChunkView) and `bound`, at least their number, from the list's upper and total without a
+// synchronisation: grids and partial results are sized by it.
+struct ChunkPlan {
+  Tensor first;
+  int64_t batch;
+  int64_t bound;
+
+  ChunkView view() const {
+    return {first.const_data_ptr<int64_t>(), batch};
+  }
+  // Whether a text may have several chunks (and partial results be needed).
+  bool several() const {
+    return bound > batch;
+  }
+};
+
+// (like: a tensor on the device.)
+ChunkPlan plan_chunks(const RowList& list, int64_t batch, const Tensor& like);
 
 // The sum of x over a segment of `seg` adjacent lanes of a warp (seg a power of two up to 32), in every lane of the
 // segment. The butterfly gives every lane the same bits.

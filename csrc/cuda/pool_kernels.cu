@@ -51,16 +51,17 @@ __device__ __forceinline__ bool takes_over(acc x, int64_t at, acc best, int64_t 
 template <bool kMax, typename scalar_t, typename out_t, int VEC>
 __global__ void __launch_bounds__(kThreads)
     pool_chunks(const scalar_t* hidden, int64_t sb, int64_t sl, int64_t sd, SelectedRows rows, int64_t dim,
-                int64_t chunks, int64_t tiles, out_t* out, int32_t* argmax, partial_t<kMax, scalar_t>* partial,
+                ChunkView chunks, int64_t tiles, out_t* out, int32_t* argmax, partial_t<kMax, scalar_t>* partial,
                 int32_t* partial_where) {
   using acc = acc_t<scalar_t>;
   using value_acc = value_t<kMax, scalar_t>;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
-  const int64_t tile = blockIdx.x % tiles, chunk = (blockIdx.x / tiles) % chunks, b = blockIdx.x / (tiles * chunks);
-  const int64_t n = rows.rows(b), begin = chunk * kChunkRows;
-  if (begin >= n && chunk > 0) {
-    return;  // past this text's rows (the grid is sized for the longest possible text)
+  const int64_t tile = blockIdx.x % tiles, part = blockIdx.x / tiles;
+  if (part >= chunks.count()) {
+    return;  // past the texts' chunks (the grid is sized by a bound)
   }
+  const int64_t b = chunks.text_of(part), chunk = part - chunks.first[b];
+  const int64_t n = rows.rows(b), begin = chunk * kChunkRows;
   const int64_t end = std::min(begin + kChunkRows, n);
   const int lanes = blockDim.x, row_lanes = blockDim.y;
   const int64_t packs = dim / VEC, v = tile * lanes + threadIdx.x;
@@ -169,10 +170,10 @@ __global__ void __launch_bounds__(kThreads)
         out[b * dim + d] = n == 0 ? out_t(0) : static_cast<out_t>(value[i] / static_cast<value_acc>(n) / shrink);
       }
     } else if constexpr (kMax) {
-      partial[(b * chunks + chunk) * dim + d] = value[i];
-      partial_where[(b * chunks + chunk) * dim + d] = static_cast<int32_t>(where[i]);
+      partial[part * dim + d] = value[i];
+      partial_where[part * dim + d] = static_cast<int32_t>(where[i]);
     } else {  // the chunk's share of the text's mean (see combine_chunks)
-      partial[(b * chunks + chunk) * dim + d] =
+      partial[part * dim + d] =
           static_cast<double>(value[i]) / static_cast<double>(n) / static_cast<double>(shrink);
     }
   }
@@ -183,7 +184,7 @@ __global__ void __launch_bounds__(kThreads)
 // partial sum of them, so float64 rows near float64's maximum give a finite mean wherever it is finite.
 template <bool kMax, typename scalar_t, typename out_t>
 __global__ void combine_chunks(const partial_t<kMax, scalar_t>* partial, const int32_t* partial_where,
-                               SelectedRows rows, int64_t batch, int64_t dim, int64_t chunks, out_t* out,
+                               SelectedRows rows, int64_t batch, int64_t dim, ChunkView chunks, out_t* out,
                                int32_t* argmax) {
   using acc = partial_t<kMax, scalar_t>;
   const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
@@ -194,12 +195,13 @@ __global__ void combine_chunks(const partial_t<kMax, scalar_t>* partial, const i
   if (n <= kChunkRows) {
     return;
   }
-  const acc* p = partial + b * chunks * dim + d;
+  const int64_t first = chunks.first[b];
+  const acc* p = partial + first * dim + d;
   acc value = p[0];
-  int64_t where = kMax ? partial_where[b * chunks * dim + d] : 0;
+  int64_t where = kMax ? partial_where[first * dim + d] : 0;
   for (int64_t c = 1; c < ceil_div(n, kChunkRows); ++c) {
     if constexpr (kMax) {
-      const int32_t at = partial_where[(b * chunks + c) * dim + d];
+      const int32_t at = partial_where[(first + c) * dim + d];
       if (takes_over(p[c * dim], at, value, where)) {
         value = p[c * dim];
         where = at;
@@ -220,12 +222,12 @@ template <bool kMax, typename scalar_t, typename out_t>
 void pool_forward(const Tensor& hidden, const RowSelection& selection, Tensor& out, Tensor* argmax) {
   const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
   const RowList list = select_rows(selection, batch, seq_len);
-  const int64_t chunks = std::max<int64_t>(1, ceil_div(list.upper, kChunkRows));
+  const ChunkPlan chunks = plan_chunks(list, batch, hidden);
   Tensor partial, partial_where;
-  if (chunks > 1) {
-    partial = empty_on(hidden, {batch, chunks, dim}, kMax ? acc_dtype(hidden.scalar_type()) : ScalarType::Double);
+  if (chunks.several()) {
+    partial = empty_on(hidden, {chunks.bound, dim}, kMax ? acc_dtype(hidden.scalar_type()) : ScalarType::Double);
     if (kMax) {
-      partial_where = empty_on(hidden, {batch, chunks, dim}, ScalarType::Int);
+      partial_where = empty_on(hidden, {chunks.bound, dim}, ScalarType::Int);
     }
   }
   auto* argmax_data = kMax ? argmax->mutable_data_ptr<int32_t>() : nullptr;
@@ -235,7 +237,7 @@ void pool_forward(const Tensor& hidden, const RowSelection& selection, Tensor& o
     const int64_t packs = dim / VEC;
     const int lanes = kFeatureLanes, row_lanes = kThreads / kFeatureLanes;
     const int64_t tiles = ceil_div(packs, lanes);
-    const int64_t blocks = batch * chunks * tiles;
+    const int64_t blocks = chunks.bound * tiles;
     LMK_CHECK(
         blocks <= std::numeric_limits<int32_t>::max(), "lmk_ops: pooling needs ", blocks,
         " CUDA blocks, more than one launch takes; split the batch");
@@ -243,12 +245,13 @@ void pool_forward(const Tensor& hidden, const RowSelection& selection, Tensor& o
         row_lanes > 1 ? size_t{kThreads} * VEC * (sizeof(value_t<kMax, scalar_t>) + (kMax ? sizeof(int64_t) : 0)) : 0;
     pool_chunks<kMax, scalar_t, out_t, VEC><<<blocks, dim3(lanes, row_lanes), shared, stream()>>>(
         hidden.const_data_ptr<scalar_t>(), hidden.stride(0), hidden.stride(1), hidden.stride(2), list.view(), dim,
-        chunks, tiles, out.mutable_data_ptr<out_t>(), argmax_data, partial_data, partial_where_data);
+        chunks.view(), tiles, out.mutable_data_ptr<out_t>(), argmax_data, partial_data, partial_where_data);
     check_launch();
   });
-  if (chunks > 1) {
+  if (chunks.several()) {
     combine_chunks<kMax, scalar_t, out_t><<<ceil_div(batch * dim, kThreads), kThreads, 0, stream()>>>(
-        partial_data, partial_where_data, list.view(), batch, dim, chunks, out.mutable_data_ptr<out_t>(), argmax_data);
+        partial_data, partial_where_data, list.view(), batch, dim, chunks.view(), out.mutable_data_ptr<out_t>(),
+        argmax_data);
     check_launch();
   }
 }

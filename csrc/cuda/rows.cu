@@ -9,6 +9,7 @@
 
 #include "common/dispatch.h"
 #include "common/error.h"
+#include "common/packed.h"
 #include "cuda/common.cuh"
 #include "cuda/rows.h"
 
@@ -132,6 +133,23 @@ __global__ void __launch_bounds__(kThreads) list_segments(Entries entries, int64
   }
   if (threadIdx.x == 0 && s == segments - 1) {
     count[b] = offset + total;
+  }
+}
+
+// order[before[t]] = t for every true entry t of mask [n], before[t] counting the true entries ahead of it.
+__global__ void list_selected(const bool* mask, const int64_t* before, int64_t n, int64_t* order) {
+  for (int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; t < n; t += int64_t{gridDim.x} * blockDim.x) {
+    if (mask[t]) {
+      order[before[t]] = t;
+    }
+  }
+}
+
+// chunks[b] = text b's chunk count: its rows / kChunkRows, rounded up, and at least 1.
+__global__ void count_chunks(SelectedRows rows, int64_t batch, int64_t* chunks) {
+  const int64_t b = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (b < batch) {
+    chunks[b] = std::max<int64_t>(1, ceil_div(rows.rows(b), kChunkRows));
   }
 }
 
@@ -360,7 +378,23 @@ std::pair<Tensor, Tensor> invert_positions(const Tensor& positions, int64_t seq_
 }  // namespace
 
 RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_len) {
-  LMK_CHECK(!selection.starts.defined(), "lmk_ops: runs of rows are a CPU form (PackedBatch::selection)");
+  if (selection.starts.defined()) {  // a packed batch's texts: runs of the [B, T, D] view's T rows
+    if (!selection.mask.defined()) {
+      return {Tensor(), selection.lengths, selection.starts, 0, seq_len, seq_len, seq_len};
+    }
+    // The true rows of the [T] mask in order are the texts' lists one after another (texts are consecutive runs).
+    const Tensor& mask = selection.mask;
+    const Tensor before = selected_before(mask);
+    Tensor order = empty_on(mask, {seq_len}, ScalarType::Long);
+    if (seq_len > 0) {
+      list_selected<<<grid_for(seq_len, kThreads), kThreads, 0, stream()>>>(
+          mask.const_data_ptr<bool>(), before.const_data_ptr<int64_t>(), seq_len, order.mutable_data_ptr<int64_t>());
+      check_launch();
+    }
+    const Tensor start = index_select(before, 0, selection.starts);
+    const Tensor count = sub(index_select(before, 0, add(selection.starts, selection.lengths)), start);
+    return {order, count, start, 0, seq_len, seq_len, seq_len};
+  }
   if (selection.mask.defined()) {
     const Tensor& mask = selection.mask;
     Tensor order = empty_on(mask, {batch, seq_len}, ScalarType::Long);
@@ -371,7 +405,7 @@ RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_le
     } else {
       count = zeros_on(mask, {batch}, ScalarType::Long);
     }
-    return {order, count, seq_len, seq_len};
+    return {order, count, Tensor(), seq_len, seq_len, seq_len, batch * seq_len};
   }
   if (selection.positions.defined()) {
     const Tensor& positions = selection.positions;
@@ -384,9 +418,26 @@ RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_le
     } else {
       count = zeros_on(positions, {batch}, positions.scalar_type());
     }
-    return {order, count, listed, seq_len};
+    return {order, count, Tensor(), listed, seq_len, listed, batch * listed};
   }
-  return {Tensor(), Tensor(), seq_len, seq_len};
+  return {Tensor(), Tensor(), Tensor(), 0, seq_len, seq_len, batch * seq_len};
+}
+
+ChunkPlan plan_chunks(const RowList& list, int64_t batch, const Tensor& like) {
+  // Chunks per text (rows / kChunkRows, rounded up, at least 1) are at most upper's and sum to at most one per text
+  // plus one per kChunkRows of the total.
+  const int64_t bound = std::min(batch * std::max<int64_t>(1, ceil_div(list.upper, kChunkRows)),
+                                 batch + list.total / kChunkRows);
+  Tensor first = zeros_on(like, {batch + 1}, ScalarType::Long);
+  if (batch > 0) {
+    Tensor chunks = empty_on(first, {batch}, ScalarType::Long);
+    count_chunks<<<ceil_div(batch, kThreads), kThreads, 0, stream()>>>(list.view(), batch,
+                                                                      chunks.mutable_data_ptr<int64_t>());
+    check_launch();
+    Tensor after_each = slice(first, 0, 1, batch);
+    torch::stable::copy_(after_each, aten("aten::cumsum", "", chunks, int64_t{0}, std::optional(ScalarType::Long)));
+  }
+  return {first, batch, bound};
 }
 
 void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, bool landmarks) {

@@ -83,8 +83,8 @@ inline int64_t chunks_for(int64_t upper) {
 // [B, the most chunks any text has] instead, a packed batch of 4000 one-token texts and one of 65536 tokens (D 768)
 // took 3 GB and 10 s to pool (6 GB and 17 s for attention's backward).
 struct ChunkPlan {
-  std::vector<int64_t> first;    // [B + 1]: the chunks of the texts before b
-  std::vector<int64_t> stored;   // [B + 1]: the slots of the texts before b (a text of one chunk has none)
+  std::vector<int64_t> first;   // [B + 1]: the chunks of the texts before b
+  std::vector<int64_t> stored;  // [B + 1]: the slots of the texts before b (a text of one chunk has none)
 
   ChunkPlan(const RowList& list, int64_t batch) : first(batch + 1, 0), stored(batch + 1, 0) {
     for (int64_t b = 0; b < batch; ++b) {

@@ -12,8 +12,8 @@ _TAGS = (torch.Tag.pt2_compliant_tag,)
 SCHEMAS = [
     # Packed batches (common/packed.h): with cu_seqlens [B + 1], hidden is [T, D], a mask or landmark mask is [T],
     # landmark positions [B, K] count from each text's start, argmax holds positions from each text's start, and the
-    # backward ops return [T, D] (seq_len = T). max_seqlen, a host int, spares the device synchronisation that reads
-    # the longest text's length.
+    # backward ops return [T, D] (seq_len = T). max_seqlen, a host int, is checked to be at least every text's length
+    # (the kernels take a packed batch's texts as runs of rows and need no synchronisation without it).
     # The pooling ops return (out, ..., pooled): with normalize, out is L2-normalised (as F.normalize) and pooled [B, D]
     # holds the vectors before normalising, unrounded in the accumulation type (float32, float64 for float64), for the
     # backward; without normalize, pooled is empty.

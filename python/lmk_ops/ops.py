@@ -21,7 +21,8 @@ _PACKED_DOC = """cu_seqlens: for a packed (variable-length) batch: int32 or int6
             device (first 0, last T, non-decreasing; texts may be empty), as flash-attention's varlen kernels and
             transformers' ``DataCollatorWithFlattening`` give them. hidden is then ``[T, D]`` (any strides), a mask
             ``[T]``, and each text pools to the same bits as padded or alone.
-        max_seqlen: with cu_seqlens, the longest text's length if known (a host int): spares a device sync."""
+        max_seqlen: with cu_seqlens, the longest text's length if known (a host int), as varlen kernels take it:
+            checked to be at least every text's length. The ops need no device sync without it."""
 
 
 _NORMALIZE_DOC = """normalize: L2-normalise each output vector inside the op (forward and backward), as

@@ -92,6 +92,52 @@ def test_training_intervals_are_reproducible(tokenizer):
     assert torch.equal(run().landmark_mask, run().landmark_mask)
 
 
+class _RecordingTokenizer:
+    """The tokenizer, recording how wide each batch it tokenizes is."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.widths = tokenizer, []
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        encoded = self.tokenizer(*args, **kwargs)
+        self.widths.append(encoded["input_ids"].shape[-1])
+        return encoded
+
+
+@pytest.mark.parametrize("interval", [1, 5, 16, 64])
+@pytest.mark.parametrize("max_length", [8, 21, 64])
+@pytest.mark.parametrize("placement", ["interval", "sentences", "training"])
+def test_texts_longer_than_max_length_keep_what_the_whole_text_gives(tokenizer, interval, max_length, placement):
+    """tokenize_with_landmarks cuts long texts before inserting landmarks (so that one long document does not pad
+    the batch to its length); the result is what inserting into the whole tokenized texts and truncating gives."""
+    gen = torch.Generator().manual_seed(interval * max_length)
+    texts = [*_texts(gen, count=5, most=3 * max_length), " ".join(WORDS * 40), "", "short one."]
+    texts = [t.replace("every", "every.") for t in texts]  # sentences, for the sentence placement
+    options = {"interval": interval}
+    if placement == "sentences":
+        options = {"sentence_ends": hf.simple_sentence_ends}
+    elif placement == "training":
+        options = {"training_intervals": (interval, 2 * interval + 1)}
+    recording = _RecordingTokenizer(tokenizer)
+    got = hf.tokenize_with_landmarks(recording, texts, max_length=max_length, generator=torch.Generator().manual_seed(3),
+                                     **options)
+    assert max(recording.widths) <= max_length + 3  # one content token past max_length, and [CLS] ... [SEP]
+    whole = tokenizer(texts, padding=True, return_tensors="pt", verbose=False, return_offsets_mapping=True)
+    if placement == "sentences":
+        options = {"sentence_ends": hf._sentence_end_flags(whole["offset_mapping"], whole["attention_mask"],
+                                                            [hf.simple_sentence_ends(t) for t in texts])}
+    elif placement == "training":
+        options = {"interval": hf.sample_intervals(len(texts), (interval, 2 * interval + 1),
+                                                   generator=torch.Generator().manual_seed(3))}
+    want = hf.insert_for_tokenizer(tokenizer, whole["input_ids"], whole["attention_mask"],
+                                   landmark_id=tokenizer.sep_token_id, max_length=max_length, **options)
+    assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.landmark_mask, want.landmark_mask)
+    assert torch.equal(got.attention_mask, want.attention_mask)
+
+
 @pytest.mark.parametrize("mode", ["mean", "max", "cls", "first", "last", "lmk"])
 @pytest.mark.parametrize("padding_side", ["right", "left"])
 def test_pooling_module_on_real_model(tokenizer, model, mode, padding_side):

@@ -134,8 +134,14 @@ def tokenize_with_landmarks(
     if max_length is None and getattr(tokenizer, "model_max_length", None) and tokenizer.model_max_length < 10**6:
         max_length = tokenizer.model_max_length
     want_offsets = sentence_ends is not None
-    encoded = tokenizer(texts, padding=True, truncation=False, return_tensors="pt", verbose=False,
-                        return_offsets_mapping=want_offsets)
+    layout = special_token_layout(tokenizer)
+    # A text longer than max_length loses its tail once its landmarks are in. Cut to one content token more than can
+    # be kept first: that token and its landmark lie past the truncation, so the kept tokens and landmarks are the
+    # whole text's, and one long document does not pad the batch to its full length (4000 short texts beside one
+    # 65536-token document made [4001, 65536] tensors, gigabytes, for 512 tokens kept).
+    cut = None if max_length is None else max_length + 1 + sum(layout)
+    encoded = tokenizer(texts, padding=True, truncation=cut is not None, max_length=cut, return_tensors="pt",
+                        verbose=False, return_offsets_mapping=want_offsets)
     per_text_ends = None
     if want_offsets:
         per_text_ends = [sentence_ends(t) for t in texts] if callable(sentence_ends) else sentence_ends
@@ -154,7 +160,7 @@ def tokenize_with_landmarks(
     flags = _sentence_end_flags(encoded["offset_mapping"], encoded["attention_mask"], per_text_ends) \
         if want_offsets else None
     batch = insert_for_tokenizer(tokenizer, encoded["input_ids"], encoded["attention_mask"],
-                                 landmark_id=landmark_token_id(tokenizer, landmark_token), interval=every,
-                                 sentence_ends=flags, max_length=max_length)
+                                 landmark_id=landmark_token_id(tokenizer, landmark_token), layout=layout,
+                                 interval=every, sentence_ends=flags, max_length=max_length)
     return batch.packed() if packed else batch
 

@@ -12,8 +12,8 @@ import torch
 from ._checks import is_flag, is_integer
 from .landmarks import PAPER_TRAINING_INTERVALS, LandmarkBatch, PackedLandmarkBatch, insert_landmarks, sample_intervals
 
-__all__ = ["PAPER_TRAINING_INTERVALS", "add_landmark_token", "insert_for_tokenizer", "landmark_token_id", "simple_sentence_ends", "special_token_layout",
-           "tokenize_with_landmarks"]
+__all__ = ["PAPER_TRAINING_INTERVALS", "add_landmark_token", "cut_before_insertion", "insert_for_tokenizer",
+           "landmark_token_id", "simple_sentence_ends", "special_token_layout", "tokenize_with_landmarks"]
 
 def special_token_layout(tokenizer) -> tuple[int, int]:
     """How many special tokens the tokenizer puts before and after a single text: (1, 1) for BERT's [CLS] ... [SEP],
@@ -67,6 +67,15 @@ def insert_for_tokenizer(tokenizer, input_ids, attention_mask, *, landmark_id: i
         input_ids, attention_mask, landmark_id=landmark_id, num_leading=leading, num_trailing=trailing,
         pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         padding_side=getattr(tokenizer, "padding_side", "right"), **options)
+
+
+def cut_before_insertion(max_length: int | None, layout: tuple[int, int]) -> int | None:
+    """How many tokens (special ones included) a tokenizer may cut a text to before landmarks go in, without changing
+    what truncating to max_length after inserting them keeps: one content token more than can be kept, which with
+    its landmark lies past that truncation (None: no cut). Tokenizing untruncated instead, one long document padded
+    the batch to its length: 4000 short texts beside a 65000-word one made [4001, 65002] tensors for 512 tokens kept,
+    and ran the machine out of memory."""
+    return None if max_length is None else max_length + 1 + sum(layout)
 
 
 def simple_sentence_ends(text: str) -> list[int]:
@@ -135,11 +144,7 @@ def tokenize_with_landmarks(
         max_length = tokenizer.model_max_length
     want_offsets = sentence_ends is not None
     layout = special_token_layout(tokenizer)
-    # A text longer than max_length loses its tail once its landmarks are in. Cut to one content token more than can
-    # be kept first: that token and its landmark lie past the truncation, so the kept tokens and landmarks are the
-    # whole text's, and one long document does not pad the batch to its full length (4000 short texts beside one
-    # 65536-token document made [4001, 65536] tensors, gigabytes, for 512 tokens kept).
-    cut = None if max_length is None else max_length + 1 + sum(layout)
+    cut = cut_before_insertion(max_length, layout)
     encoded = tokenizer(texts, padding=True, truncation=cut is not None, max_length=cut, return_tensors="pt",
                         verbose=False, return_offsets_mapping=want_offsets)
     per_text_ends = None

@@ -26,7 +26,7 @@ except ImportError as error:  # before 6.0 these modules, and the preprocess() A
                       f"{sentence_transformers.__version__} (pip install 'lmk_ops[st]')") from error
 
 from ._checks import is_int
-from .hf import insert_for_tokenizer, landmark_token_id, special_token_layout
+from .hf import cut_before_insertion, insert_for_tokenizer, landmark_token_id, special_token_layout
 from .nn import Pooling
 
 __all__ = ["LandmarkPooling", "LandmarkTransformer"]
@@ -56,17 +56,21 @@ class LandmarkTransformer(Transformer):
         self._layout = special_token_layout(self.tokenizer)
 
     def preprocess(self, inputs, prompt=None, processing_kwargs=None, **kwargs) -> dict[str, Any]:
-        # Tokenize without truncation: landmarks go in first, and the result is truncated after.
+        # Landmarks go in first and the result is truncated after, so the tokenizer cuts only what that truncation
+        # drops anyway (cut_before_insertion).
+        max_length = kwargs.get("max_length") or self.max_seq_length
+        cut = cut_before_insertion(max_length, self._layout)
         processing_kwargs = dict(processing_kwargs or {})
-        # verbose=False: the tokenizer would warn that an untruncated text is too long for the model, which it is
-        # not once truncated below.
-        processing_kwargs["text"] = {**processing_kwargs.get("text", {}), "truncation": False, "verbose": False}
+        # verbose=False: the tokenizer would warn that a text cut longer than max_length is too long for the model,
+        # which it is not once truncated below.
+        processing_kwargs["text"] = {**processing_kwargs.get("text", {}), "truncation": cut is not None,
+                                     "max_length": cut, "verbose": False}
         features = super().preprocess(inputs, prompt, processing_kwargs, **kwargs)
         if "input_ids" not in features:
             return features
         batch = insert_for_tokenizer(
             self.tokenizer, features["input_ids"], features["attention_mask"], landmark_id=self._landmark_id,
-            layout=self._layout, interval=self.interval, max_length=kwargs.get("max_length") or self.max_seq_length)
+            layout=self._layout, interval=self.interval, max_length=max_length)
         features.update(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                         landmark_mask=batch.landmark_mask)
         if "token_type_ids" in features:  # one segment per text: all zeros, at the new length

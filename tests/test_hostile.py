@@ -770,8 +770,10 @@ def pool_all(measure):
         landmark = lmk_ops.landmark_mean(h, landmarks, cu_seqlens=offsets)
         attended = lmk_ops.attention_pool(h, valid, query, cu_seqlens=offsets)
         (grad,) = torch.autograd.grad(attended.sum(), h)
+        weighted = lmk_ops.nn.Pooling("weightedmean")(h, cu_seqlens=offsets)
     # The short texts pool to their one row, the long one as it does alone.
-    for pooled in (mean, top, masked, landmark, attended):
+    assert torch.equal(weighted[4000], lmk_ops.nn.Pooling("weightedmean")(long_text)[0])
+    for pooled in (mean, top, masked, landmark, attended, weighted):
         assert torch.equal(pooled[:4000], hidden[:4000])
     assert torch.equal(mean[4000], lmk_ops.mean_pool(long_text)[0])
     assert torch.equal(top[4000], lmk_ops.max_pool(long_text)[0])
@@ -787,7 +789,8 @@ def test_a_packed_batch_of_short_texts_and_a_long_one_pools_in_memory_of_its_siz
     """The chunks' partial results and the lists of selected rows take room for what there is. Laid out per text
     for the longest text, 4000 one-token texts beside one of 65536 tokens (D 256, 70 MB) took 1 GB for the mean and
     2 GB for attention's backward on CPU, and listing a mask's rows 2 GB more (on CUDA, whose chunks are shorter,
-    4 GB and more); the bound here is the input's size three times over (the gradient is one)."""
+    4 GB and more); nn.Pooling('weightedmean') copied the batch into the padded layout (4001 x 65536 x 256). The
+    bound here is the input's size three times over (the gradient is one)."""
     input_bytes = (4000 + 65536) * 256 * 4
     if device == "cuda":
         scope = {"torch": torch, "lmk_ops": lmk_ops, "device": device}

@@ -218,15 +218,24 @@ def _mean_sqrt_len(hidden: Tensor, mask: Tensor | None, packed: dict) -> Tensor:
 
 def _weighted_mean(hidden: Tensor, mask: Tensor | None, packed: dict) -> Tensor:
     """sentence-transformers' weightedmean: valid token i (0-based, among the text's valid tokens) weighted i + 1,
-    sum(w x) / sum(w) in float32 (float64 for float64). Plain PyTorch, not a fused kernel: a batched matrix product
-    over the padded layout (a packed batch is copied into it first)."""
+    sum(w x) / sum(w) in float32 (float64 for float64). Plain PyTorch around the mean op: the mean of the weighted
+    rows, sum(w x) / n, times n / sum(w) = 2 / (n + 1). So a text gives the same bits padded on either side, packed
+    or alone, as the mean does, and a packed batch is not copied into the padded layout (4000 one-token texts beside
+    one of 65536 tokens would take B x 65536 x D floats)."""
     op = "nn.Pooling('weightedmean')"
     check_call(op, hidden, mask=mask, **packed)
+    wide = torch.promote_types(hidden.dtype, torch.float32)
     if packed:
-        hidden, valid = ops.packed_as_padded(op, hidden, mask, packed["cu_seqlens"], packed.get("max_seqlen"))
+        offsets, valid = ops.packed_valid(op, hidden, mask, packed["cu_seqlens"], packed.get("max_seqlen"))
+        before = torch.cat([offsets.new_zeros(1), valid.long().cumsum(0)])  # valid rows before each row, and all
+        lengths = offsets[1:] - offsets[:-1]
+        text_start = torch.repeat_interleave(before[offsets[:-1]], lengths, output_size=hidden.shape[0])
+        rank = before[1:] - text_start  # a valid row's rank among its text's valid rows, from 1
+        count = before[offsets[1:]] - before[offsets[:-1]]
     else:
         valid = ops.padded_valid(op, hidden, mask)
-    wide = torch.promote_types(hidden.dtype, torch.float32)
-    weights = (valid.long().cumsum(1) * valid).to(wide)
-    total = torch.bmm(weights.unsqueeze(1), hidden.to(wide)).squeeze(1)
-    return (total / weights.sum(1, keepdim=True).clamp_min(1e-9)).to(hidden.dtype)
+        rank = valid.long().cumsum(-1)
+        count = rank[:, -1] if hidden.shape[1] else rank.new_zeros(hidden.shape[0])
+    weights = (rank * valid).to(wide).unsqueeze(-1)
+    mean = ops.mean_pool(hidden.to(wide) * weights, valid, **packed)
+    return (mean * (2 / (count.to(wide).unsqueeze(1) + 1))).to(hidden.dtype)

@@ -279,16 +279,15 @@ def padded_valid(op: str, hidden: Tensor, mask: Tensor | None) -> Tensor:
     return bool_mask(op, mask)
 
 
-def packed_as_padded(op: str, hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor, max_seqlen: int | None):
-    """A packed batch, checked (errors naming op), copied into padded form: (hidden [B, W, D], valid [B, W]),
-    differentiable in hidden. W is max_seqlen, or read from the offsets (a device sync)."""
+def packed_valid(op: str, hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor, max_seqlen: int | None):
+    """A packed batch's hidden [T, D], mask and offsets, checked as the ops check them (errors naming op): the
+    offsets as int64 [B + 1] and the valid tokens as a bool [T] mask."""
     check_packed(op, hidden, cu_seqlens, max_seqlen)
     check_packed_mask(op, mask, hidden.shape[0], hidden)
     offsets = torch.ops.lmk_ops.packed_offsets(cu_seqlens, hidden.shape[0], max_seqlen, op)
-    if mask is not None:
-        mask = bool_mask(op, mask)
-    padded, valid, _, _ = reference.padded_view(hidden, mask, offsets, max_seqlen)
-    return padded, valid
+    if mask is None:
+        return offsets, torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+    return offsets, bool_mask(op, mask)
 
 
 def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale: float | None = None,

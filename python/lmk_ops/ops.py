@@ -9,7 +9,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ._checks import check_call, check_flag, check_hidden, check_landmarks, check_mask, check_packed
 from ._checks import check_packed_mask, check_scale_type, fail, is_integer
-from . import reference
 from ._dispatch import call as _call
 
 __all__ = [

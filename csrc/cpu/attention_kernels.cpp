@@ -208,8 +208,9 @@ inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>*
     constexpr int64_t kLanes = Vec<float>::size();
     if (pairs || (stride == 1 && head_dim % kLanes == 0 && head_dim <= kNarrowHeadDim)) {
       // Head `head`'s partial sums, `width` its features: head_dim, or the same as a constant (the common 64), so
-      // that the loops over its features unroll whole.
-      const auto partial = [&](int64_t head, auto width) {
+      // that the loops over its features unroll whole. This lambda and the next are always inlined: when the file
+      // grew, GCC left this one a call per head and row, and 12 heads of 64 in bfloat16 took 15-18% longer.
+      const auto partial = [&](int64_t head, auto width) __attribute__((always_inline)) {
         const scalar_t* xh = x + head * head_dim;
         const float* qh = q + head * head_dim;
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
@@ -223,7 +224,7 @@ inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>*
       // registers) it was as fast on rows in L2, but on rows from memory the row's loads no longer overlapped the
       // arithmetic. One long bfloat16 text with 16 heads of 64 (2 threads, Zen 5, time over hidden.sum()'s):
       // 1.7-3.0x -> 1.6-1.7x; one thread 2.4x -> 1.8-1.9x; float32 unchanged within the noise.
-      const auto whole_vectors_of_heads = [&](auto width) {
+      const auto whole_vectors_of_heads = [&](auto width) __attribute__((always_inline)) {
         const Vec<float>::Native top = Vec<float>(std::numeric_limits<float>::max()).v;
         decltype(top <= top) finite = top <= top;  // all lanes set
         for (; h + kLanes <= heads; h += kLanes) {

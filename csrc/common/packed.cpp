@@ -55,10 +55,10 @@ void check_offsets(const char* op, const PackedBatch& packed, const Tensor& like
 
 }  // namespace
 
-Tensor selected_before(const Tensor& selected) {
-  Tensor before = zeros_on(selected, {selected.size(0) + 1}, ScalarType::Long);
-  Tensor after_each = slice(before, 0, 1, selected.size(0));
-  torch::stable::copy_(after_each, aten("aten::cumsum", "", selected, int64_t{0}, std::optional(ScalarType::Long)));
+Tensor sums_before(const Tensor& values) {
+  Tensor before = zeros_on(values, {values.size(0) + 1}, ScalarType::Long);
+  Tensor after_each = slice(before, 0, 1, values.size(0));
+  torch::stable::copy_(after_each, aten("aten::cumsum", "", values, int64_t{0}, std::optional(ScalarType::Long)));
   return before;
 }
 
@@ -95,7 +95,7 @@ RowSelection PackedBatch::selection(const Tensor& selected) const {
 }
 
 Tensor PackedBatch::count(const Tensor& selected) const {
-  const Tensor before = selected_before(selected);
+  const Tensor before = sums_before(selected);
   return sub(index_select(before, 0, slice(offsets, 0, 1, batch)), index_select(before, 0, starts));
 }
 

@@ -384,7 +384,7 @@ RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_le
     }
     // The true rows of the [T] mask in order are the texts' lists one after another (texts are consecutive runs).
     const Tensor& mask = selection.mask;
-    const Tensor before = selected_before(mask);
+    const Tensor before = sums_before(mask);
     Tensor order = empty_on(mask, {seq_len}, ScalarType::Long);
     if (seq_len > 0) {
       list_selected<<<grid_for(seq_len, kThreads), kThreads, 0, stream()>>>(
@@ -428,16 +428,13 @@ ChunkPlan plan_chunks(const RowList& list, int64_t batch, const Tensor& like) {
   // plus one per kChunkRows of the total.
   const int64_t bound = std::min(batch * std::max<int64_t>(1, ceil_div(list.upper, kChunkRows)),
                                  batch + list.total / kChunkRows);
-  Tensor first = zeros_on(like, {batch + 1}, ScalarType::Long);
+  Tensor chunks = empty_on(like, {batch}, ScalarType::Long);
   if (batch > 0) {
-    Tensor chunks = empty_on(first, {batch}, ScalarType::Long);
     count_chunks<<<ceil_div(batch, kThreads), kThreads, 0, stream()>>>(list.view(), batch,
                                                                       chunks.mutable_data_ptr<int64_t>());
     check_launch();
-    Tensor after_each = slice(first, 0, 1, batch);
-    torch::stable::copy_(after_each, aten("aten::cumsum", "", chunks, int64_t{0}, std::optional(ScalarType::Long)));
   }
-  return {first, batch, bound};
+  return {sums_before(chunks), batch, bound};
 }
 
 void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, bool landmarks) {

@@ -231,11 +231,10 @@ def _weighted_mean(hidden: Tensor, mask: Tensor | None, packed: dict) -> Tensor:
         lengths = offsets[1:] - offsets[:-1]
         text_start = torch.repeat_interleave(before[offsets[:-1]], lengths, output_size=hidden.shape[0])
         rank = before[1:] - text_start  # a valid row's rank among its text's valid rows, from 1
-        count = before[offsets[1:]] - before[offsets[:-1]]
     else:
         valid = ops.padded_valid(op, hidden, mask)
         rank = valid.long().cumsum(-1)
-        count = rank[:, -1] if hidden.shape[1] else rank.new_zeros(hidden.shape[0])
     weights = (rank * valid).to(wide).unsqueeze(-1)
     mean = ops.mean_pool(hidden.to(wide) * weights, valid, **packed)
-    return (mean * (2 / (count.to(wide).unsqueeze(1) + 1))).to(hidden.dtype)
+    count = _valid_counts(hidden, mask, packed).to(wide).unsqueeze(1)
+    return (mean * (2 / (count + 1))).to(hidden.dtype)

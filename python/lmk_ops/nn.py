@@ -142,11 +142,19 @@ class Pooling(torch.nn.Module):
     ``cu_seqlens`` (and ``max_seqlen``), or a batch holding sentence-transformers' flattened features
     (``token_embeddings`` ``[1, T, D]`` with ``cu_seq_lens_q``); there the attention mask is not used (every packed
     token is valid) unless passed as a keyword, and a landmark mask is ``[T]``.
+
+    ``include_prompt=False`` leaves out each text's first ``prompt_length`` valid tokens (its prompt, after any left
+    padding), as sentence-transformers' ``Pooling(include_prompt=False)`` does: ``prompt_length`` comes from the
+    batch (sentence-transformers puts it in its features when ``encode(prompt=...)`` is used) or as a keyword, an
+    int or an integer tensor of one value or of one per text; without it nothing is left out. Every mode honours
+    it: "lmk" leaves out the prompt's landmarks, and "weightedmean" keeps the other tokens' weights (their ranks
+    among all valid tokens), as sentence-transformers does. A text with nothing after its prompt pools to zeros.
     """
 
     MODES = ("mean", "max", "cls", "first", "last", "lmk", "attention", "mean_sqrt_len_tokens", "weightedmean")
 
-    def __init__(self, mode: str = "mean", *, normalize: bool = False, dim: int | None = None, heads: int = 1):
+    def __init__(self, mode: str = "mean", *, normalize: bool = False, dim: int | None = None, heads: int = 1,
+                 include_prompt: bool = True):
         super().__init__()
         if mode not in self.MODES:
             raise ValueError(f"lmk_ops.nn.Pooling: expected mode in {self.MODES}, got {mode!r}")
@@ -155,26 +163,40 @@ class Pooling(torch.nn.Module):
                              f"mode='attention' and for no other mode, got mode={mode!r}, dim={dim}, heads={heads}")
         if not is_flag(normalize):  # "no" would be taken for True by the modes normalised here
             raise ValueError(f"lmk_ops.nn.Pooling: expected normalize as a bool, got {normalize!r}")
+        if not is_flag(include_prompt):
+            raise ValueError(f"lmk_ops.nn.Pooling: expected include_prompt as a bool, got {include_prompt!r}")
         self.mode = mode
         self.normalize = bool(normalize)
+        self.include_prompt = bool(include_prompt)
         self.attention = AttentionPooling(dim, heads) if mode == "attention" else None
 
     def extra_repr(self) -> str:
-        return f"mode={self.mode!r}, normalize={self.normalize}"
+        return f"mode={self.mode!r}, normalize={self.normalize}" + (
+            "" if self.include_prompt else ", include_prompt=False")
 
     def forward(self, output: Any, batch: Any = None, *, attention_mask: Tensor | None = None,
                 landmark_mask: Tensor | None = None, cu_seqlens: Tensor | None = None,
-                max_seqlen: int | None = None) -> Tensor:
+                max_seqlen: int | None = None, prompt_length: int | Tensor | None = None) -> Tensor:
         batch = _batch_or_features(output, batch)
         hidden, packed = packed_layout(hidden_states(output), batch, cu_seqlens, max_seqlen)
         # A flattened batch's attention mask (if any) describes the padded batch it came from, not the packed rows.
         mask = _flat(_masks(batch, attention_mask) if not packed or attention_mask is not None else None, packed)
+        prompt = None
+        if not self.include_prompt:
+            prompt = prompt_length if prompt_length is not None else _field(batch, "prompt_length")
+        ranks = None
+        if prompt is not None:  # the valid tokens past each text's prompt become the mask
+            ranks = _valid_ranks(f"nn.Pooling({self.mode!r})", hidden, mask, packed)
+            mask = _past_prompt(*ranks, prompt, packed)
         if self.mode == "lmk":
             landmarks = landmark_mask if landmark_mask is not None else _field(batch, "landmark_mask")
             if landmarks is None:
                 raise ValueError("lmk_ops.nn.Pooling(mode='lmk'): expected a landmark_mask in the batch or as a "
                                  "keyword (lmk_ops.insert_landmarks or lmk_ops.hf.tokenize_with_landmarks make one)")
-            return ops.landmark_mean(hidden, _landmark_mask(landmarks, packed), normalize=self.normalize, **packed)
+            landmarks = _landmark_mask(landmarks, packed)
+            if prompt is not None and isinstance(landmarks, Tensor) and landmarks.shape == mask.shape:
+                landmarks = landmarks & mask
+            return ops.landmark_mean(hidden, landmarks, normalize=self.normalize, **packed)
         if self.mode == "mean":
             return ops.mean_pool(hidden, mask, normalize=self.normalize, **packed)
         if self.mode == "max":
@@ -184,7 +206,7 @@ class Pooling(torch.nn.Module):
         elif self.mode == "mean_sqrt_len_tokens":
             pooled = _mean_sqrt_len(hidden, mask, packed)
         elif self.mode == "weightedmean":
-            pooled = _weighted_mean(hidden, mask, packed)
+            pooled = _weighted_mean(hidden, mask, packed, ranks)
         else:
             pooled = (ops.last_token_pool if self.mode == "last" else ops.first_token_pool)(hidden, mask, **packed)
         if not self.normalize:
@@ -216,25 +238,64 @@ def _mean_sqrt_len(hidden: Tensor, mask: Tensor | None, packed: dict) -> Tensor:
     return (mean * counts.sqrt()).to(hidden.dtype)
 
 
-def _weighted_mean(hidden: Tensor, mask: Tensor | None, packed: dict) -> Tensor:
-    """sentence-transformers' weightedmean: valid token i (0-based, among the text's valid tokens) weighted i + 1,
-    sum(w x) / sum(w) in float32 (float64 for float64). Plain PyTorch around the mean op: the mean of the weighted
-    rows, sum(w x) / n, times n / sum(w) = 2 / (n + 1). So a text gives the same bits padded on either side, packed
-    or alone, as the mean does, and a packed batch is not copied into the padded layout (4000 one-token texts beside
-    one of 65536 tokens would take B x 65536 x D floats)."""
-    op = "nn.Pooling('weightedmean')"
-    check_call(op, hidden, mask=mask, **packed)
-    wide = torch.promote_types(hidden.dtype, torch.float32)
+def _valid_ranks(op: str, hidden: Tensor, mask: Tensor | None, packed: dict) -> tuple[Tensor, Tensor]:
+    """(valid, rank), checked as the ops check them (errors naming op): the valid tokens as a bool mask ([B, L], or
+    [T] packed) and each valid token's rank among its text's valid tokens, from 1 (0 at the others), int64."""
     if packed:
         offsets, valid = ops.packed_valid(op, hidden, mask, packed["cu_seqlens"], packed.get("max_seqlen"))
         before = torch.cat([offsets.new_zeros(1), valid.long().cumsum(0)])  # valid rows before each row, and all
         lengths = offsets[1:] - offsets[:-1]
         text_start = torch.repeat_interleave(before[offsets[:-1]], lengths, output_size=hidden.shape[0])
-        rank = before[1:] - text_start  # a valid row's rank among its text's valid rows, from 1
+        rank = before[1:] - text_start
     else:
         valid = ops.padded_valid(op, hidden, mask)
         rank = valid.long().cumsum(-1)
-    weights = (rank * valid).to(wide).unsqueeze(-1)
-    mean = ops.mean_pool(hidden.to(wide) * weights, valid, **packed)
-    count = _valid_counts(hidden, mask, packed).to(wide).unsqueeze(1)
-    return (mean * (2 / (count + 1))).to(hidden.dtype)
+    return valid, rank * valid
+
+
+def _prompt_lengths(value: Any, batch: int, device: torch.device) -> Tensor:
+    """prompt_length as int64 [B]: an int, or an integer tensor of one value or of B (sentence-transformers gives an
+    int, or in training a tensor of one value or of one per text)."""
+    if isinstance(value, Tensor) and not value.is_floating_point() and value.dtype != torch.bool and (
+            value.numel() == 1 or value.shape == (batch,)):
+        lengths = value.reshape(-1).to(device=device, dtype=torch.long).expand(batch)
+    elif is_integer(value):
+        lengths = torch.full((batch,), int(value), dtype=torch.long, device=device)
+    else:
+        got = f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
+        raise ValueError(f"lmk_ops.nn.Pooling: expected prompt_length as an int >= 0 or an integer tensor of one "
+                         f"value or of one per text ({batch}), got {got}")
+    if bool((lengths < 0).any()):
+        raise ValueError(f"lmk_ops.nn.Pooling: expected prompt_length >= 0, got {value!r}")
+    return lengths
+
+
+def _past_prompt(valid: Tensor, rank: Tensor, prompt: Any, packed: dict) -> Tensor:
+    """The valid tokens after each text's first prompt_length valid tokens (bool, shaped as valid)."""
+    if packed:
+        offsets = packed["cu_seqlens"].long()
+        lengths = _prompt_lengths(prompt, offsets.shape[0] - 1, valid.device)
+        per_row = torch.repeat_interleave(lengths, offsets[1:] - offsets[:-1], output_size=valid.shape[0])
+        return valid & (rank > per_row)
+    return valid & (rank > _prompt_lengths(prompt, valid.shape[0], valid.device).unsqueeze(1))
+
+
+def _weighted_mean(hidden: Tensor, mask: Tensor | None, packed: dict,
+                   ranks: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """sentence-transformers' weightedmean: valid token i (0-based, among the text's valid tokens) weighted i + 1,
+    sum(w x) / sum(w) in float32 (float64 for float64). Plain PyTorch around the mean op: the mean of the weighted
+    rows, sum(w x) / n, times n / sum(w) = 2 / (n + 1). So a text gives the same bits padded on either side, packed
+    or alone, as the mean does, and a packed batch is not copied into the padded layout (4000 one-token texts beside
+    one of 65536 tokens would take B x 65536 x D floats). With a prompt left out, mask holds the tokens past it and
+    ranks the (valid, rank) of all valid tokens, whose weights the kept tokens keep: of n valid tokens the last
+    k = n - p, weighted p + 1 .. n, sum to k (2n - k + 1) / 2."""
+    op = "nn.Pooling('weightedmean')"
+    check_call(op, hidden, mask=mask, **packed)
+    wide = torch.promote_types(hidden.dtype, torch.float32)
+    valid, rank = ranks if ranks is not None else _valid_ranks(op, hidden, mask, packed)
+    kept = valid if ranks is None else mask
+    weights = (rank * kept).to(wide).unsqueeze(-1)
+    mean = ops.mean_pool(hidden.to(wide) * weights, kept, **packed)
+    count = _valid_counts(hidden, valid, packed).to(wide).unsqueeze(1)
+    count_kept = count if ranks is None else _valid_counts(hidden, kept, packed).to(wide).unsqueeze(1)
+    return (mean * (2 / (2 * count - count_kept + 1))).to(hidden.dtype)

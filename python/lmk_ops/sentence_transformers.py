@@ -73,9 +73,20 @@ class LandmarkTransformer(Transformer):
             layout=self._layout, interval=self.interval, max_length=max_length)
         features.update(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                         landmark_mask=batch.landmark_mask)
+        if prompt and "prompt_length" in features:
+            features["prompt_length"] = self._prompt_length_with_landmarks(prompt)
         if "token_type_ids" in features:  # one segment per text: all zeros, at the new length
             features["token_type_ids"] = torch.zeros_like(batch.input_ids)
         return features
+
+    def _prompt_length_with_landmarks(self, prompt: str) -> int:
+        """The tokens a prompt takes at the start of each text once landmarks are in: its leading special tokens,
+        its content tokens and the landmarks of the chunks it fills. (sentence-transformers measures the prompt by
+        preprocessing it alone, which here inserts landmarks into it as into a text of its own, and drops its last
+        token if special: with the SEP token as the landmark, one token short where the prompt fills its last
+        chunk, whose landmark is then the text's closing [SEP].) A pooling module with include_prompt=False leaves these tokens out."""
+        content = len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return self._layout[0] + content + content // self.interval
 
     def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
         # The landmark mask is for the pooling module, not the model.
@@ -95,17 +106,23 @@ class LandmarkPooling(Module):
             model; needs ``dim``). Padded or flattened features (``cu_seq_lens_q``) alike.
         normalize: L2-normalise the embeddings inside the op.
         dim, heads: for "attention": the token states' width and the number of heads (dividing it).
+        include_prompt: False leaves out the prompt's tokens (and its landmarks), as sentence-transformers'
+            ``Pooling(include_prompt=False)`` does, when the features carry ``prompt_length``
+            (``model.encode(texts, prompt=...)``); see :class:`lmk_ops.nn.Pooling`.
 
     ``model.save(path)`` writes the config and, for "attention", the query's weights beside it.
     """
 
-    config_keys = ["mode", "normalize", "dim", "heads"]
+    config_keys = ["mode", "normalize", "dim", "heads", "include_prompt"]
 
-    def __init__(self, mode: str = "lmk", normalize: bool = False, dim: int | None = None, heads: int = 1):
+    def __init__(self, mode: str = "lmk", normalize: bool = False, dim: int | None = None, heads: int = 1,
+                 include_prompt: bool = True):
         super().__init__()
-        self.pooling = Pooling(mode, normalize=normalize, dim=dim, heads=heads)  # checks the arguments
+        # Pooling checks the arguments.
+        self.pooling = Pooling(mode, normalize=normalize, dim=dim, heads=heads, include_prompt=include_prompt)
         self.mode = mode
-        self.normalize = self.pooling.normalize  # a bool, as the saved config holds it
+        self.normalize = self.pooling.normalize  # bools, as the saved config holds them
+        self.include_prompt = self.pooling.include_prompt
         self.dim = dim
         self.heads = heads
 

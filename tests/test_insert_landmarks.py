@@ -174,3 +174,25 @@ def test_batches_move_to_another_device_keeping_their_dtypes():
         with pytest.raises(TypeError, match=rf"^lmk_ops\.{type(original).__name__}\.to: expected a device, got the "
                                             r"dtype torch\.float16"):
             original.to(torch.float16)
+
+
+@given(st.integers(0, 2**31 - 1), st.booleans())
+def test_sentence_end_flags_mark_the_last_token_starting_before_each_end(seed, in_order):
+    from lmk_ops import hf
+
+    gen = torch.Generator().manual_seed(seed)
+    batch, seq_len = 3, int(torch.randint(1, 40, (1,), generator=gen))
+    starts = torch.randint(0, 3, (batch, seq_len), generator=gen).cumsum(1) if in_order else torch.randint(
+        0, 60, (batch, seq_len), generator=gen)
+    offsets = torch.stack([starts, starts + torch.randint(0, 4, (batch, seq_len), generator=gen)], -1)  # 0: special
+    mask = (torch.rand(batch, seq_len, generator=gen) < 0.8).long()
+    ends = [sorted(set(torch.randint(0, 80, (int(torch.randint(0, 6, (1,), generator=gen)),), generator=gen).tolist()))
+            for _ in range(batch)]
+    want = torch.zeros(batch, seq_len, dtype=torch.bool)
+    for b in range(batch):
+        for end in ends[b]:
+            before = [j for j in range(seq_len) if mask[b, j] and offsets[b, j, 1] > offsets[b, j, 0]
+                      and offsets[b, j, 0] < end]
+            if before:
+                want[b, before[-1]] = True
+    assert torch.equal(hf._sentence_end_flags(offsets, mask, ends), want)

@@ -145,6 +145,11 @@ def test_bad_prompt_lengths_are_refused(padded, prompt_length):
         pooling(padded["token_embeddings"], padded, prompt_length=prompt_length)
 
 
+def test_a_prompt_length_keyword_needs_include_prompt_false(padded):
+    with pytest.raises(ValueError, match="lmk_ops.nn.Pooling: expected no prompt_length keyword with include_prompt"):
+        lmk_ops.nn.Pooling("mean")(padded["token_embeddings"], padded, prompt_length=2)
+
+
 def test_include_prompt_must_be_a_bool():
     with pytest.raises(ValueError, match="lmk_ops.nn.Pooling: expected include_prompt as a bool, got 'no'"):
         lmk_ops.nn.Pooling("mean", include_prompt="no")

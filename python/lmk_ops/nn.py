@@ -184,6 +184,9 @@ class Pooling(torch.nn.Module):
         prompt = None
         if not self.include_prompt:
             prompt = prompt_length if prompt_length is not None else _field(batch, "prompt_length")
+        elif prompt_length is not None:  # a batch's prompt_length is sentence-transformers', for any pooling
+            raise ValueError("lmk_ops.nn.Pooling: expected no prompt_length keyword with include_prompt=True (the "
+                             f"prompt is pooled), got prompt_length={prompt_length!r}")
         ranks = None
         if prompt is not None:  # the valid tokens past each text's prompt become the mask
             ranks = _valid_ranks(f"nn.Pooling({self.mode!r})", hidden, mask, packed)

@@ -196,7 +196,7 @@ constexpr int kRowGroup = 4;
 
 // A group of selected rows as a reducer's step() takes it: the k row pointers, their positions, and the rows of
 // the group after the next (`ahead`, the group's own rows where none follow), which step() prefetches line by line
-// with prefetch_ahead() as it walks its own (attention's reducers). (Two groups on rather than one: attention over
+// as it reads its own (attention's row_scores, prefetch_span). (Two groups on rather than one: attention over
 // bfloat16 with 16 heads 1.77-1.85x -> 1.69-1.73x hidden.sum() at 1x32768x1024.)
 template <typename scalar_t>
 struct RowGroup {
@@ -205,23 +205,6 @@ struct RowGroup {
   int64_t ls[kRowGroup];
   int k;
 };
-
-// Prefetches the cache line of the `ahead` rows at feature i, once per 64-byte line (contiguous rows), into the
-// outer caches (prefetcht2). Four rows read side by side are streams the hardware prefetchers follow late.
-// Measured on one text of 32768 x 1024, hidden.sum()'s time as the unit: on the 2-core AVX2 machine a bfloat16 sum
-// 1.5x without -> 1.05x with (prefetcht0), float32 rows under the maximum 1.2-1.3x -> 1.1x; on a 2-core AMD Zen 4
-// (AVX-512), prefetcht0 gained little (a bfloat16 sum 2.3x one thread, 1.8x two) where prefetcht2 reads near the
-// floor (1.1-1.5x one thread, 1.1x two), and a float32 sum went 1.6-1.7x -> 1.1-1.2x (one thread) with it.
-// Always inlined: as a call, GCC finds the function free of side effects (a prefetch only reads) and deletes it.
-template <typename scalar_t>
-[[gnu::always_inline]] inline void prefetch_ahead(const RowGroup<scalar_t>& group, int64_t i) {
-  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(scalar_t));
-  if ((i & (kLine - 1)) == 0) {
-    for (int r = 0; r < group.k; ++r) {
-      __builtin_prefetch(group.ahead[r] + i, 0, 1);
-    }
-  }
-}
 
 // Folds a chunk's selected rows of one text's feature block into the reducer, in the selection's order, without
 // reading the other rows. Returns how many rows were folded.

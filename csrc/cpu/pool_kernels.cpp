@@ -35,14 +35,34 @@ inline void keep_max(Vec<acc>& best, Vec<same_size_int<acc>>& where, Vec<acc> x,
 // it grows: 80,000 ulp at a million rows).
 //
 // The rows are added one after another, each read whole as one contiguous run: a stream the hardware prefetchers
-// follow. The mean and the maximum read four rows side by side before (pairwise sums per group of kRowGroup,
-// maxima kept in registers across the group), which needed software prefetches and still read slower. On Zen 5,
+// follow, helped by a software prefetch (kPrefetchRows). The mean and the maximum read four rows side by side
+// before (pairwise sums per group of kRowGroup, maxima kept in registers across the group), which needed software
+// prefetches and still read slower. On Zen 5,
 // 2 threads, three runs each, time over an index_add's on the same packed batch of 120 texts x 768: the mean
 // 1.03-1.06x -> 0.97-1.04x (float32), 1.13-1.30x -> 0.98-1.00x (bfloat16); the maximum 1.19-1.21x -> 1.02-1.06x,
 // 1.26-1.33x -> 1.08-1.10x; the maximum in float32 over hidden.sum()'s time at 1x32768x1024 1.34-1.45x ->
 // 1.12-1.19x and at 8x4096x1024 1.28-1.39x -> 1.10-1.13x; the rest unchanged within the noise. Sequential runs of
 // 32 rows were up to 8 ulp off on a constant column, hence runs of 8.
 constexpr int kFoldRows = 8;
+
+// The hardware prefetchers alone left the mean and the maximum waiting on memory after each row: on one thread
+// their time was about hidden.sum()'s plus that of the same work on rows already in L1 (no overlap). So while a
+// row is added, the row kPrefetchRows on (in the selection's order) is prefetched into L1, a line per line read
+// (prefetch_line). Zen 5, 2 threads, mean and max time over hidden.sum()'s, six runs in alternating processes:
+// 1x32768x1024 float32 1.13-1.46x -> 0.95-1.11x, bfloat16 1.10-1.28x -> 0.99-1.13x; 8x4096x1024 float32
+// 1.11-1.43x -> 1.02-1.11x; a packed batch of 120 texts x 768, scatter_reduce's time over the max's 0.91-1.26 ->
+// 0.99-1.11; bfloat16 32x512x768, the one shape that lost, 0.81-1.06x -> 0.99-1.10x. Two rows on did about as
+// well, one and four worse, prefetcht2 (into L2) worse on one thread.
+constexpr int64_t kPrefetchRows = 3;
+
+// Prefetches into L1 the cache line at ahead + i where feature i starts one (contiguous rows). Always inlined: as
+// a call, GCC can find it free of side effects and delete it.
+template <typename scalar_t>
+[[gnu::always_inline]] inline void prefetch_line(const scalar_t* ahead, int64_t i) {
+  if ((i & (64 / static_cast<int64_t>(sizeof(scalar_t)) - 1)) == 0) {
+    __builtin_prefetch(ahead + i, 0, 3);
+  }
+}
 
 template <typename scalar_t>
 struct SumReducer {
@@ -63,10 +83,11 @@ struct SumReducer {
     run = 1;
   }
 
-  void add_row(const scalar_t* row, int64_t /*l*/, int64_t stride, int64_t width) {
+  void add_row(const scalar_t* row, int64_t /*l*/, int64_t stride, int64_t width, const scalar_t* ahead) {
     int64_t i = 0;
     if (stride == 1) {
       for (; i + V::size() <= width; i += V::size()) {
+        prefetch_line(ahead, i);
         (V::loadu(sum + i) + load_widened(row + i)).store(sum + i);
       }
     }
@@ -214,7 +235,7 @@ struct MaxReducer {
     }
   }
 
-  void add_row(const scalar_t* row, int64_t l, int64_t stride, int64_t n) {
+  void add_row(const scalar_t* row, int64_t l, int64_t stride, int64_t n, const scalar_t* ahead) {
     int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
     if constexpr (kKeyed<scalar_t>) {
@@ -223,6 +244,7 @@ struct MaxReducer {
         position_at[rows_seen] = l;
         const Keys ordinal_of_row = Keys{} + static_cast<int16_t>(rows_seen++);
         for (; i < keyed; i += kKeyLanes) {
+          prefetch_line(ahead, i);
           Keys kept, at;
           std::memcpy(&kept, key + i, sizeof kept);
           std::memcpy(&at, ordinal + i, sizeof at);
@@ -236,6 +258,7 @@ struct MaxReducer {
     if (stride == 1) {
       const Where position(static_cast<index_t>(l));
       for (; i + V::size() <= n; i += V::size()) {
+        prefetch_line(ahead, i);
         V m = V::loadu(best + i);
         Where w = Where::loadu(where + i);
         keep_max(m, w, load_widened(row + i), position);
@@ -272,7 +295,9 @@ void pool_forward(const Tensor& hidden, const RowList& list, const ChunkPlan& pl
       reducer.init(block + first * sl, sd, n, first);
       for (int64_t j = rows.begin + 1; j < rows.end; ++j) {
         const int64_t l = rows.list->row(b, j);
-        reducer.add_row(block + l * sl, l, sd, n);
+        // The row kPrefetchRows on, or this one near the chunk's end (the next chunk is another task's).
+        const int64_t ahead = j + kPrefetchRows < rows.end ? rows.list->row(b, j + kPrefetchRows) : l;
+        reducer.add_row(block + l * sl, l, sd, n, block + ahead * sl);
       }
       reducer.finish();
       if constexpr (std::is_same_v<Reducer, SumReducer<scalar_t>>) {

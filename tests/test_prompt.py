@@ -153,3 +153,35 @@ def test_a_prompt_length_keyword_needs_include_prompt_false(padded):
 def test_include_prompt_must_be_a_bool():
     with pytest.raises(ValueError, match="lmk_ops.nn.Pooling: expected include_prompt as a bool, got 'no'"):
         lmk_ops.nn.Pooling("mean", include_prompt="no")
+
+
+@pytest.mark.parametrize("mode", ["mean", "weightedmean", "lmk"])
+@pytest.mark.parametrize("prompt_length", [2, torch.tensor(1), torch.tensor([0, 1, 3])], ids=["int", "one", "per text"])
+def test_leaving_the_prompt_out_compiles_in_one_graph(mode, prompt_length):
+    """No graph break (the lengths' check is an op, not a Python branch on their values), and the compiled module
+    gives the eager one's bits, padded and packed."""
+    torch.manual_seed(0)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[1, 4:] = 0
+    hidden = torch.randn(3, 7, 16)
+    packed_hidden, offsets = hidden[mask.bool()], torch.tensor([0, 7, 11, 18], dtype=torch.int32)
+    padded = {"attention_mask": mask, "prompt_length": prompt_length, "landmark_mask": mask.bool()}
+    packed = {"cu_seqlens": offsets, "prompt_length": prompt_length, "landmark_mask": torch.ones(18, dtype=torch.bool)}
+    pooling = lmk_ops.nn.Pooling(mode, include_prompt=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda h, batch: pooling(h, batch), fullgraph=True)
+    assert torch.equal(compiled(hidden, padded), pooling(hidden, padded))
+    assert torch.equal(compiled(packed_hidden, packed), pooling(packed_hidden, packed))
+
+
+def test_a_negative_prompt_length_is_refused_when_compiled_too():
+    pooling = lmk_ops.nn.Pooling("mean", include_prompt=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda h, batch: pooling(h, batch), fullgraph=True)
+    with pytest.raises(ValueError, match=r"lmk_ops.nn.Pooling: expected prompt_length >= 0, got \[0, -1, 3\]"):
+        compiled(torch.randn(3, 7, 16), {"attention_mask": torch.ones(3, 7, dtype=torch.long),
+                                         "prompt_length": torch.tensor([0, -1, 3])})
+
+
+def test_the_prompt_length_check_passes_opcheck():
+    torch.library.opcheck(torch.ops.lmk_ops.nonnegative_prompt_lengths.default, (torch.tensor([0, 2, 5]),))

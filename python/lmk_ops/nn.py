@@ -256,21 +256,34 @@ def _valid_ranks(op: str, hidden: Tensor, mask: Tensor | None, packed: dict) -> 
     return valid, rank * valid
 
 
+@torch.library.custom_op("lmk_ops::nonnegative_prompt_lengths", mutates_args=())
+def _nonnegative_prompt_lengths(lengths: Tensor) -> Tensor:
+    """A copy of the prompt lengths (int64 [B]), refused where one is negative. An op rather than a Python branch on
+    the values, which would break a torch.compile graph (the graph keeps the op, and the check, where it is used)."""
+    if bool((lengths < 0).any()):
+        raise ValueError(f"lmk_ops.nn.Pooling: expected prompt_length >= 0, got {lengths.tolist()}")
+    return lengths.clone()
+
+
+@_nonnegative_prompt_lengths.register_fake
+def _(lengths: Tensor) -> Tensor:
+    return torch.empty_like(lengths)
+
+
 def _prompt_lengths(value: Any, batch: int, device: torch.device) -> Tensor:
     """prompt_length as int64 [B]: an int, or an integer tensor of one value or of B (sentence-transformers gives an
     int, or in training a tensor of one value or of one per text)."""
     if isinstance(value, Tensor) and not value.is_floating_point() and value.dtype != torch.bool and (
             value.numel() == 1 or value.shape == (batch,)):
         lengths = value.reshape(-1).to(device=device, dtype=torch.long).expand(batch)
-    elif is_integer(value):
-        lengths = torch.full((batch,), int(value), dtype=torch.long, device=device)
-    else:
-        got = f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
-        raise ValueError(f"lmk_ops.nn.Pooling: expected prompt_length as an int >= 0 or an integer tensor of one "
-                         f"value or of one per text ({batch}), got {got}")
-    if bool((lengths < 0).any()):
+        return _nonnegative_prompt_lengths(lengths.contiguous())
+    if is_integer(value) and int(value) >= 0:
+        return torch.full((batch,), int(value), dtype=torch.long, device=device)
+    if is_integer(value):
         raise ValueError(f"lmk_ops.nn.Pooling: expected prompt_length >= 0, got {value!r}")
-    return lengths
+    got = f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
+    raise ValueError(f"lmk_ops.nn.Pooling: expected prompt_length as an int >= 0 or an integer tensor of one "
+                     f"value or of one per text ({batch}), got {got}")
 
 
 def _past_prompt(valid: Tensor, rank: Tensor, prompt: Any, packed: dict) -> Tensor:

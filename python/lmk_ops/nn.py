@@ -190,7 +190,7 @@ class Pooling(torch.nn.Module):
         ranks = None
         if prompt is not None:  # the valid tokens past each text's prompt become the mask
             ranks = _valid_ranks(f"nn.Pooling({self.mode!r})", hidden, mask, packed)
-            mask = _past_prompt(*ranks, prompt, packed)
+            mask = _past_prompt(*ranks, prompt)
         if self.mode == "lmk":
             landmarks = landmark_mask if landmark_mask is not None else _field(batch, "landmark_mask")
             if landmarks is None:
@@ -241,19 +241,24 @@ def _mean_sqrt_len(hidden: Tensor, mask: Tensor | None, packed: dict) -> Tensor:
     return (mean * counts.sqrt()).to(hidden.dtype)
 
 
-def _valid_ranks(op: str, hidden: Tensor, mask: Tensor | None, packed: dict) -> tuple[Tensor, Tensor]:
-    """(valid, rank), checked as the ops check them (errors naming op): the valid tokens as a bool mask ([B, L], or
-    [T] packed) and each valid token's rank among its text's valid tokens, from 1 (0 at the others), int64."""
+def _rows_of_texts(per_text: Tensor, offsets: Tensor, tokens: int) -> Tensor:
+    """A packed batch's per-text values [B] repeated over each text's rows: [T]."""
+    return torch.repeat_interleave(per_text, offsets[1:] - offsets[:-1], output_size=tokens)
+
+
+def _valid_ranks(op: str, hidden: Tensor, mask: Tensor | None,
+                 packed: dict) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(valid, rank, offsets), checked as the ops check them (errors naming op): the valid tokens as a bool mask
+    ([B, L], or [T] packed), each valid token's rank among its text's valid tokens, from 1 (0 at the others), int64,
+    and a packed batch's checked offsets (int64 [B + 1]; None padded)."""
     if packed:
         offsets, valid = ops.packed_valid(op, hidden, mask, packed["cu_seqlens"], packed.get("max_seqlen"))
         before = torch.cat([offsets.new_zeros(1), valid.long().cumsum(0)])  # valid rows before each row, and all
-        lengths = offsets[1:] - offsets[:-1]
-        text_start = torch.repeat_interleave(before[offsets[:-1]], lengths, output_size=hidden.shape[0])
-        rank = before[1:] - text_start
+        rank = before[1:] - _rows_of_texts(before[offsets[:-1]], offsets, hidden.shape[0])
     else:
-        valid = ops.padded_valid(op, hidden, mask)
+        offsets, valid = None, ops.padded_valid(op, hidden, mask)
         rank = valid.long().cumsum(-1)
-    return valid, rank * valid
+    return valid, rank * valid, offsets
 
 
 @torch.library.custom_op("lmk_ops::nonnegative_prompt_lengths", mutates_args=())
@@ -286,29 +291,28 @@ def _prompt_lengths(value: Any, batch: int, device: torch.device) -> Tensor:
                      f"value or of one per text ({batch}), got {got}")
 
 
-def _past_prompt(valid: Tensor, rank: Tensor, prompt: Any, packed: dict) -> Tensor:
-    """The valid tokens after each text's first prompt_length valid tokens (bool, shaped as valid)."""
-    if packed:
-        offsets = packed["cu_seqlens"].long()
+def _past_prompt(valid: Tensor, rank: Tensor, offsets: Tensor | None, prompt: Any) -> Tensor:
+    """The valid tokens after each text's first prompt_length valid tokens (bool, shaped as valid), from
+    _valid_ranks' (valid, rank, offsets)."""
+    if offsets is not None:
         lengths = _prompt_lengths(prompt, offsets.shape[0] - 1, valid.device)
-        per_row = torch.repeat_interleave(lengths, offsets[1:] - offsets[:-1], output_size=valid.shape[0])
-        return valid & (rank > per_row)
+        return valid & (rank > _rows_of_texts(lengths, offsets, valid.shape[0]))
     return valid & (rank > _prompt_lengths(prompt, valid.shape[0], valid.device).unsqueeze(1))
 
 
 def _weighted_mean(hidden: Tensor, mask: Tensor | None, packed: dict,
-                   ranks: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                   ranks: tuple[Tensor, Tensor, Tensor | None] | None = None) -> Tensor:
     """sentence-transformers' weightedmean: valid token i (0-based, among the text's valid tokens) weighted i + 1,
     sum(w x) / sum(w) in float32 (float64 for float64). Plain PyTorch around the mean op: the mean of the weighted
     rows, sum(w x) / n, times n / sum(w) = 2 / (n + 1). So a text gives the same bits padded on either side, packed
     or alone, as the mean does, and a packed batch is not copied into the padded layout (4000 one-token texts beside
     one of 65536 tokens would take B x 65536 x D floats). With a prompt left out, mask holds the tokens past it and
-    ranks the (valid, rank) of all valid tokens, whose weights the kept tokens keep: of n valid tokens the last
-    k = n - p, weighted p + 1 .. n, sum to k (2n - k + 1) / 2."""
+    ranks is _valid_ranks' (valid, rank, offsets) of all valid tokens, whose weights the kept tokens keep: of n
+    valid tokens the last k = n - p, weighted p + 1 .. n, sum to k (2n - k + 1) / 2."""
     op = "nn.Pooling('weightedmean')"
     check_call(op, hidden, mask=mask, **packed)
     wide = torch.promote_types(hidden.dtype, torch.float32)
-    valid, rank = ranks if ranks is not None else _valid_ranks(op, hidden, mask, packed)
+    valid, rank, _ = ranks if ranks is not None else _valid_ranks(op, hidden, mask, packed)
     kept = valid if ranks is None else mask
     weights = (rank * kept).to(wide).unsqueeze(-1)
     mean = ops.mean_pool(hidden.to(wide) * weights, kept, **packed)

@@ -57,49 +57,114 @@ template <int64_t kSpan, typename scalar_t>
   }
 }
 
-// <x, y> over n features, or with kCentred <x - m, y> (feature i of x at x[i * stride]; m and y contiguous). Four
-// independent accumulator chains hide the FMA latency; the whole vectors' products come back as one vector of
-// partial sums (partial_dot), which dot() reduces and completes with the remaining features. prefetch: a
-// contiguous row to prefetch the same features of as x is read (prefetch_span), or null.
+// The prefetch of one row: the same features of `row` (null: none).
+template <typename scalar_t>
+struct RowAhead {
+  const scalar_t* row;
+  const scalar_t* operator()(int64_t i, int) const {
+    return row != nullptr ? row + i : nullptr;
+  }
+};
+
+// The prefetches of R rows read together: the rows' R prefetch rows (each `features` long) taken as one stream,
+// from element `base` on; the pass's stretch at i (a span of 4 vectors per row) is the next R spans of it.
+template <int R, typename scalar_t>
+struct SequentialAhead {
+  const scalar_t* const* rows;
+  int64_t features;
+  int64_t base;
+  const scalar_t* operator()(int64_t i, int r) const {
+    constexpr int64_t kSpan = 4 * Vec<acc_t<scalar_t>>::size();
+    const int64_t e = base + i * R + r * kSpan;
+    return rows[e / features] + e % features;
+  }
+};
+
+// <x, y> over n features, or with kCentred <x - m, y> (m and y contiguous), for R contiguous rows x[r] at once:
+// the rows share the loads of m and y (the query in L1 otherwise took as many loads as the rows). Each row's four
+// independent accumulator chains hide the FMA latency, and its whole vectors' products come back as one vector of
+// partial sums, out[r] (the remaining features are the caller's: dot()). A row's partial sums are taken in the same
+// order whatever R, so a score has the same bits however many rows were scored with it. ahead(i, r): what to
+// prefetch as row r's features from i are read (prefetch_span; RowAhead, SequentialAhead), or null.
+template <int R, bool kCentred, typename scalar_t, typename Ahead>
+[[gnu::always_inline]] inline void partial_dots(const scalar_t* const* x, const acc_t<scalar_t>* m,
+                                                const acc_t<scalar_t>* y, int64_t n, const Ahead& ahead,
+                                                Vec<acc_t<scalar_t>>* out) {
+  using V = Vec<acc_t<scalar_t>>;
+  constexpr int64_t W = V::size();
+  const auto load = [&](int r, int64_t i) {
+    if constexpr (kCentred) {
+      return load_widened(x[r] + i) - V::loadu(m + i);
+    } else {
+      return load_widened(x[r] + i);
+    }
+  };
+  V s[R][4];
+  for (int r = 0; r < R; ++r) {
+    s[r][0] = s[r][1] = s[r][2] = s[r][3] = V(0);
+  }
+  int64_t i = 0;
+  for (; i + 4 * W <= n; i += 4 * W) {
+    for (int r = 0; r < R; ++r) {
+      prefetch_span<4 * W>(ahead(i, r), 0);
+    }
+    for (int u = 0; u < 4; ++u) {
+      const V yu = V::loadu(y + i + u * W);
+      for (int r = 0; r < R; ++r) {
+        s[r][u] = fmadd(load(r, i + u * W), yu, s[r][u]);
+      }
+    }
+  }
+  for (; i + W <= n; i += W) {
+    const V yi = V::loadu(y + i);
+    for (int r = 0; r < R; ++r) {
+      s[r][0] = fmadd(load(r, i), yi, s[r][0]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    out[r] = (s[r][0] + s[r][1]) + (s[r][2] + s[r][3]);
+  }
+}
+
 template <bool kCentred, typename scalar_t>
 [[gnu::always_inline]] inline Vec<acc_t<scalar_t>> partial_dot(const scalar_t* x, const acc_t<scalar_t>* m,
                                                                 const acc_t<scalar_t>* y, int64_t n,
                                                                 const scalar_t* prefetch = nullptr) {
-  using V = Vec<acc_t<scalar_t>>;
-  constexpr int64_t W = V::size();
-  const auto load = [&](int64_t i) {
-    if constexpr (kCentred) {
-      return load_widened(x + i) - V::loadu(m + i);
-    } else {
-      return load_widened(x + i);
-    }
-  };
-  V s[4] = {V(0), V(0), V(0), V(0)};
-  int64_t i = 0;
-  for (; i + 4 * W <= n; i += 4 * W) {
-    prefetch_span<4 * W>(prefetch, i);
-    for (int u = 0; u < 4; ++u) {
-      s[u] = fmadd(load(i + u * W), V::loadu(y + i + u * W), s[u]);
-    }
-  }
-  for (; i + W <= n; i += W) {
-    s[0] = fmadd(load(i), V::loadu(y + i), s[0]);
-  }
-  return (s[0] + s[1]) + (s[2] + s[3]);
+  Vec<acc_t<scalar_t>> out;
+  partial_dots<1, kCentred>(&x, m, y, n, RowAhead<scalar_t>{prefetch}, &out);
+  return out;
 }
 
+// out[r * out_stride] = <x[r], y>, or with kCentred <x[r] - m, y>, for R contiguous rows at once (partial_dots).
+template <int R, bool kCentred, typename scalar_t, typename Ahead>
+inline void dots(const scalar_t* const* x, const acc_t<scalar_t>* m, const acc_t<scalar_t>* y, int64_t n,
+                 const Ahead& prefetch, acc_t<scalar_t>* out, int64_t out_stride) {
+  using acc = acc_t<scalar_t>;
+  using V = Vec<acc>;
+  const int64_t whole = n / V::size() * V::size();
+  V partials[R];
+  partial_dots<R, kCentred>(x, m, y, whole, prefetch, partials);
+  for (int r = 0; r < R; ++r) {
+    acc total = sum_lanes(partials[r]);
+    for (int64_t i = whole; i < n; ++i) {
+      const auto xi = static_cast<acc>(x[r][i]);
+      total += (kCentred ? xi - m[i] : xi) * y[i];
+    }
+    out[r * out_stride] = total;
+  }
+}
+
+// <x, y>, or with kCentred <x - m, y>, feature i of x at x[i * stride] (dots for a contiguous row).
 template <bool kCentred, typename scalar_t>
 inline acc_t<scalar_t> dot(const scalar_t* x, int64_t stride, const acc_t<scalar_t>* m, const acc_t<scalar_t>* y,
                            int64_t n, const scalar_t* prefetch = nullptr) {
   using acc = acc_t<scalar_t>;
-  using V = Vec<acc>;
-  int64_t i = 0;
   acc total = 0;
   if (stride == 1) {
-    i = n / V::size() * V::size();
-    total = sum_lanes(partial_dot<kCentred>(x, m, y, i, prefetch));
+    dots<1, kCentred>(&x, m, y, n, RowAhead<scalar_t>{prefetch}, &total, 1);
+    return total;
   }
-  for (; i < n; ++i) {
+  for (int64_t i = 0; i < n; ++i) {
     const auto xi = static_cast<acc>(x[i * stride]);
     total += (kCentred ? xi - m[i] : xi) * y[i];
   }
@@ -148,27 +213,42 @@ inline float sum_lanes_as_each(const Vec<float>& v) {
 }
 #endif
 
-// partial_dot<false> of a bfloat16 row and a query in pair order (n a multiple of kPairBlock).
-[[gnu::always_inline]] inline Vec<float> partial_dot_pairs(const c10::BFloat16* x, const float* q, int64_t n,
-                                                           const c10::BFloat16* prefetch) {
+// partial_dots<R, false> of bfloat16 rows and a query in pair order (n a multiple of kPairBlock).
+template <int R, typename Ahead>
+[[gnu::always_inline]] inline void partial_dots_pairs(const c10::BFloat16* const* x, const float* q, int64_t n,
+                                                      const Ahead& ahead, Vec<float>* out) {
   using V = Vec<float>;
   constexpr int64_t kHalf = kPairBlock / 2;
-  V s[4] = {V(0), V(0), V(0), V(0)};
+  V s[R][4];
+  for (int r = 0; r < R; ++r) {
+    s[r][0] = s[r][1] = s[r][2] = s[r][3] = V(0);
+  }
   int64_t i = 0;
   for (; i + 2 * kPairBlock <= n; i += 2 * kPairBlock) {  // two blocks a round: four independent chains
-    prefetch_span<2 * kPairBlock>(prefetch, i);
-    const Pairs a = load_pairs(x + i), b = load_pairs(x + i + kPairBlock);
-    s[0] = fmadd(a.even, V::loadu(q + i), s[0]);
-    s[1] = fmadd(a.odd, V::loadu(q + i + kHalf), s[1]);
-    s[2] = fmadd(b.even, V::loadu(q + i + kPairBlock), s[2]);
-    s[3] = fmadd(b.odd, V::loadu(q + i + kPairBlock + kHalf), s[3]);
+    for (int r = 0; r < R; ++r) {
+      prefetch_span<2 * kPairBlock>(ahead(i, r), 0);
+    }
+    const V q0 = V::loadu(q + i), q1 = V::loadu(q + i + kHalf), q2 = V::loadu(q + i + kPairBlock),
+            q3 = V::loadu(q + i + kPairBlock + kHalf);
+    for (int r = 0; r < R; ++r) {
+      const Pairs a = load_pairs(x[r] + i), b = load_pairs(x[r] + i + kPairBlock);
+      s[r][0] = fmadd(a.even, q0, s[r][0]);
+      s[r][1] = fmadd(a.odd, q1, s[r][1]);
+      s[r][2] = fmadd(b.even, q2, s[r][2]);
+      s[r][3] = fmadd(b.odd, q3, s[r][3]);
+    }
   }
   if (i < n) {
-    const Pairs a = load_pairs(x + i);
-    s[0] = fmadd(a.even, V::loadu(q + i), s[0]);
-    s[1] = fmadd(a.odd, V::loadu(q + i + kHalf), s[1]);
+    const V q0 = V::loadu(q + i), q1 = V::loadu(q + i + kHalf);
+    for (int r = 0; r < R; ++r) {
+      const Pairs a = load_pairs(x[r] + i);
+      s[r][0] = fmadd(a.even, q0, s[r][0]);
+      s[r][1] = fmadd(a.odd, q1, s[r][1]);
+    }
   }
-  return (s[0] + s[1]) + (s[2] + s[3]);
+  for (int r = 0; r < R; ++r) {
+    out[r] = (s[r][0] + s[r][1]) + (s[r][2] + s[r][3]);
+  }
 }
 
 // row_scores' second form: each score out[h] that is not finite again in float64, scaled, then rounded. Out of
@@ -191,36 +271,55 @@ template <typename scalar_t>
 // that many in one feature block.
 constexpr int64_t kNarrowHeadDim = 256;
 
-// scale * <x_h, q_h> for each of `heads` heads (x_h: the row's slice of head h), into out[h]; with `pairs`
-// (use_pairs()) the query is in pair order. The forward and the backward both compute scores with this one
-// function, so a score recomputed in the backward has the bits it had in the forward. With AVX2 or AVX-512, narrow
-// heads of whole vectors on a contiguous row reduce their partial sums a vector's width of heads at a time (8 or
-// 16): one vector's horizontal sum costs as much as a 64-feature head's products otherwise. prefetch_row: a
-// contiguous row read soon after, prefetched as this one is read, or null.
-template <typename scalar_t>
-inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>* q, int64_t heads, int64_t head_dim,
-                       acc_t<scalar_t> scale, bool pairs, acc_t<scalar_t>* out,
-                       const scalar_t* prefetch_row = nullptr) {
-  const auto prefetch_head = [&](int64_t h) { return prefetch_row != nullptr ? prefetch_row + h * head_dim : nullptr; };
+// scale * <x_h, q_h> for each of `heads` heads (x_h: row r's slice of head h) of R rows x[r], into
+// out[r * heads + h]; with `pairs` (use_pairs()) the query is in pair order. R > 1 only for contiguous rows
+// (stride 1): they share the loads of the query (partial_dots). The forward and the backward both compute scores
+// with this one function, and a row's score has the same bits whatever R, so a score recomputed in the backward has
+// the bits it had in the forward. With AVX2 or AVX-512, narrow heads of whole vectors on a contiguous row reduce
+// their partial sums a vector's width of heads at a time (8 or 16): one vector's horizontal sum costs as much as a
+// 64-feature head's products otherwise. prefetch[r]: a contiguous row read soon after, or null; R rows prefetch
+// their R rows as one stream (ahead_of).
+template <int R, typename scalar_t>
+inline void rows_scores(const scalar_t* const* x, int64_t stride, const acc_t<scalar_t>* q, int64_t heads,
+                        int64_t head_dim, acc_t<scalar_t> scale, bool pairs, acc_t<scalar_t>* out,
+                        const scalar_t* const* prefetch) {
+  // Row r's slice of head `head`.
+  const auto slices = [&](int64_t head, const scalar_t** xh) __attribute__((always_inline)) {
+    for (int r = 0; r < R; ++r) {
+      xh[r] = x[r] + head * head_dim * stride;
+    }
+  };
+  // What head `head`'s pass prefetches: one row, the same features of its prefetch row; several rows, the next
+  // stretch of their prefetch rows taken one after another (rows interleaved, the reads; one stream, the prefetches).
+  const auto ahead_of = [&](int64_t head) __attribute__((always_inline)) {
+    if constexpr (R == 1) {
+      return RowAhead<scalar_t>{prefetch[0] != nullptr ? prefetch[0] + head * head_dim : nullptr};
+    } else {
+      return SequentialAhead<R, scalar_t>{prefetch, heads * head_dim, head * head_dim * R};
+    }
+  };
   int64_t h = 0;
-  bool overflowed = false;  // a score not finite (see the end); out[0, checked) are checked already
+  bool overflowed = false;  // a score not finite (see the end); heads [0, checked) are checked already
   int64_t checked = 0;
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<acc_t<scalar_t>, float>) {
     constexpr int64_t kLanes = Vec<float>::size();
     if (pairs || (stride == 1 && head_dim % kLanes == 0 && head_dim <= kNarrowHeadDim)) {
-      // Head `head`'s partial sums, `width` its features: head_dim, or the same as a constant (the common 64), so
-      // that the loops over its features unroll whole. This lambda and the next are always inlined: when the file
-      // grew, GCC left this one a call per head and row, and 12 heads of 64 in bfloat16 took 15-18% longer.
-      const auto partial = [&](int64_t head, auto width) __attribute__((always_inline)) {
-        const scalar_t* xh = x + head * head_dim;
+      // Head `head`'s partial sums of each row into dst[r], `width` its features: head_dim, or the same as a
+      // constant (the common 64), so that the loops over its features unroll whole. This lambda and the next are
+      // always inlined: when the file grew, GCC left this one a call per head and row, and 12 heads of 64 in
+      // bfloat16 took 15-18% longer.
+      const auto partial = [&](int64_t head, auto width, Vec<float>* dst) __attribute__((always_inline)) {
+        const scalar_t* xh[R];
+        slices(head, xh);
         const float* qh = q + head * head_dim;
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
           if (pairs) {
-            return partial_dot_pairs(xh, qh, width, prefetch_head(head));
+            partial_dots_pairs<R>(xh, qh, width, ahead_of(head), dst);
+            return;
           }
         }
-        return partial_dot<false>(xh, nullptr, qh, width, prefetch_head(head));
+        partial_dots<R, false>(xh, nullptr, qh, width, ahead_of(head), dst);
       };
       // A vector's width of heads at a time. The loop over them stays a loop: fully unrolled (the partials in
       // registers) it was as fast on rows in L2, but on rows from memory the row's loads no longer overlapped the
@@ -230,14 +329,20 @@ inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>*
         const Vec<float>::Native top = Vec<float>(std::numeric_limits<float>::max()).v;
         decltype(top <= top) finite = top <= top;  // all lanes set
         for (; h + kLanes <= heads; h += kLanes) {
-          Vec<float> partials[kLanes];
+          Vec<float> partials[R][kLanes];
 #pragma GCC unroll 1
           for (int64_t j = 0; j < kLanes; ++j) {
-            partials[j] = partial(h + j, width);
+            Vec<float> head_partials[R];
+            partial(h + j, width, head_partials);
+            for (int r = 0; r < R; ++r) {
+              partials[r][j] = head_partials[r];
+            }
           }
-          const Vec<float> scores = sum_lanes_each(partials) * Vec<float>(scale);
-          scores.store(out + h);
-          finite &= (scores.v <= top) & (scores.v >= -top);  // not inf or NaN
+          for (int r = 0; r < R; ++r) {
+            const Vec<float> scores = sum_lanes_each(partials[r]) * Vec<float>(scale);
+            scores.store(out + r * heads + h);
+            finite &= (scores.v <= top) & (scores.v >= -top);  // not inf or NaN
+          }
         }
         overflowed = any_lane(~finite);
       };
@@ -249,35 +354,80 @@ inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>*
       checked = h;
       const int64_t count = heads - h;
       if (count > kLanes / 2) {  // many heads left: the shared transpose, padded with zeros
-        Vec<float> partials[kLanes];
+        Vec<float> partials[R][kLanes];
         for (int64_t j = 0; j < kLanes; ++j) {
-          partials[j] = j < count ? partial(h + j, head_dim) : Vec<float>(0);
+          Vec<float> head_partials[R];
+          if (j < count) {
+            partial(h + j, head_dim, head_partials);
+          }
+          for (int r = 0; r < R; ++r) {
+            partials[r][j] = j < count ? head_partials[r] : Vec<float>(0);
+          }
         }
-        (sum_lanes_each(partials) * Vec<float>(scale)).store(out + h, count);
+        for (int r = 0; r < R; ++r) {
+          (sum_lanes_each(partials[r]) * Vec<float>(scale)).store(out + r * heads + h, count);
+        }
         h = heads;
       }
       for (; h < heads; ++h) {  // a few heads: reduced one by one, cheaper than the shared transpose
-        out[h] = sum_lanes_as_each(partial(h, head_dim)) * scale;
+        Vec<float> head_partials[R];
+        partial(h, head_dim, head_partials);
+        for (int r = 0; r < R; ++r) {
+          out[r * heads + h] = sum_lanes_as_each(head_partials[r]) * scale;
+        }
       }
     }
   }
 #endif
   for (; h < heads; ++h) {
-    out[h] = dot<false>(x + h * head_dim * stride, stride, nullptr, q + h * head_dim, head_dim, prefetch_head(h)) *
-             scale;
+    const acc_t<scalar_t>* qh = q + h * head_dim;
+    const scalar_t* xh[R];
+    slices(h, xh);
+    if (stride == 1) {
+      dots<R, false>(xh, nullptr, qh, head_dim, ahead_of(h), out + h, heads);
+    } else {
+      for (int r = 0; r < R; ++r) {
+        out[r * heads + h] = dot<false>(xh[r], stride, nullptr, qh, head_dim);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      out[r * heads + h] *= scale;
+    }
   }
   if constexpr (std::is_same_v<acc_t<scalar_t>, float>) {
     // Rows near float32's maximum overflow the unscaled dot product though the scaled score may be finite: such a
     // score again in float64 (where it cannot overflow), scaled, then rounded. A finite score never takes this path,
     // so the forward and the backward decide alike.
-    for (int64_t j = checked; j < heads; ++j) {
-      overflowed |= !(std::abs(out[j]) <= std::numeric_limits<float>::max());
+    for (int r = 0; r < R; ++r) {
+      for (int64_t j = checked; j < heads; ++j) {
+        overflowed |= !(std::abs(out[r * heads + j]) <= std::numeric_limits<float>::max());
+      }
     }
     if (overflowed) {
-      rescore_in_float64(x, stride, q, heads, head_dim, scale, pairs, out);
+      for (int r = 0; r < R; ++r) {
+        rescore_in_float64(x[r], stride, q, heads, head_dim, scale, pairs, out + r * heads);
+      }
     }
   }
 }
+
+// rows_scores of one row.
+template <typename scalar_t>
+inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>* q, int64_t heads, int64_t head_dim,
+                       acc_t<scalar_t> scale, bool pairs, acc_t<scalar_t>* out,
+                       const scalar_t* prefetch_row = nullptr) {
+  rows_scores<1>(&x, stride, q, heads, head_dim, scale, pairs, out, &prefetch_row);
+}
+
+// Rows the forward scores at a time (rows_scores) where it shares the query's loads (SoftmaxReducer::
+// shares_query_loads): four on AVX-512, whose 32 vector registers hold the four rows' sixteen chains beside the
+// query's vectors. AVX2 has 16: two rows at a time there were 10-20% slower than one in bfloat16 (Zen 5 with the
+// AVX2 kernels, one head and 16 heads at 1x32768x1024, 12 heads at 32x512x768).
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kScoreRows = 4;
+#else
+constexpr int kScoreRows = 1;
+#endif
 
 // total[i] += chunk[i], then chunk[i] = 0, for n values: a chunk's sums folded into the running totals.
 template <typename total_t, typename acc>
@@ -329,11 +479,21 @@ struct SoftmaxReducer {
 
   void step(const RowGroup<scalar_t>& g, int64_t stride, int64_t /*n*/) {
     const int k = g.k;
-    // The group's scores, row by row (each row read once, front to back): s[r * heads + h].
-    for (int r = 0; r < k; ++r) {
+    // The group's scores (each row read once, front to back; kScoreRows rows at a time where they are
+    // contiguous): s[r * heads + h].
+    int r = 0;
+    if (shares_query_loads(stride)) {
+      for (; r + kScoreRows <= k; r += kScoreRows) {
+        rows_scores<kScoreRows>(g.rows + r, stride, query, heads, head_dim, scale, pairs, group_scores + r * heads,
+                                g.ahead + r);
+      }
+    }
+    for (; r < k; ++r) {
       row_scores(g.rows[r], stride, query, heads, head_dim, scale, pairs, group_scores + r * heads,
                  stride == 1 ? g.ahead[r] : nullptr);
-      if (scores != nullptr) {
+    }
+    if (scores != nullptr) {
+      for (r = 0; r < k; ++r) {
         for (int64_t h = 0; h < heads; ++h) {
           scores[h * seq_len + g.ls[r]] = group_scores[r * heads + h];
         }
@@ -400,6 +560,18 @@ struct SoftmaxReducer {
     if (chunk_rows >= kFoldRows) {
       fold();
     }
+  }
+
+  // Whether step() scores the rows of a group kScoreRows at a time, sharing the query's loads: bfloat16 rows on
+  // AVX-512. The query (float32) there takes as many bytes as the rows, so the score pass was bound by loads, and a
+  // head of few features also pays its reduction per row. Measured on Zen 5, 2 threads, three rounds in alternating
+  // processes, time over hidden.sum()'s: 32x512x768 with 12 heads 3.04-3.16x -> 2.58-2.82x, with one head
+  // 1.91-2.16x -> 1.66-1.88x, 1x32768x1024 with 16 heads 1.99-2.09x -> 1.69-1.99x, with one head 1.41-1.48x ->
+  // 1.38-1.45x. The prefetches must stay one stream (SequentialAhead): with each row prefetching its own row
+  // ahead, the long text lost (one head 1.42-1.66x -> 1.64-1.73x). Float32 rows still lose with it (twice the
+  // lines per row; one long text with 16 heads 1.4-2.0x -> 1.6-2.5x), and stay one row at a time.
+  bool shares_query_loads(int64_t stride) const {
+    return kScoreRows > 1 && std::is_same_v<scalar_t, c10::BFloat16> && stride == 1;
   }
 
   // Head h's running maximum up to top where top passes it, rescaling what was added so far.

@@ -479,8 +479,8 @@ struct SoftmaxReducer {
 
   void step(const RowGroup<scalar_t>& g, int64_t stride, int64_t /*n*/) {
     const int k = g.k;
-    // The group's scores (each row read once, front to back; kScoreRows rows at a time where they are
-    // contiguous): s[r * heads + h].
+    // The group's scores (each row read once, front to back; kScoreRows rows at a time where shares_query_loads):
+    // s[r * heads + h].
     int r = 0;
     if (shares_query_loads(stride)) {
       for (; r + kScoreRows <= k; r += kScoreRows) {

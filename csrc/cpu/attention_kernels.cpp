@@ -57,25 +57,26 @@ template <int64_t kSpan, typename scalar_t>
   }
 }
 
-// The prefetch of one row: the same features of `row` (null: none).
+// What a pass over rows prefetches, ahead(i, r, span): the span elements it prefetches as row r's features
+// [i, i + span) are read (every row's pass steps by span). RowAhead: one row, the same features of `row` (null:
+// none).
 template <typename scalar_t>
 struct RowAhead {
   const scalar_t* row;
-  const scalar_t* operator()(int64_t i, int) const {
+  const scalar_t* operator()(int64_t i, int, int64_t) const {
     return row != nullptr ? row + i : nullptr;
   }
 };
 
-// The prefetches of R rows read together: the rows' R prefetch rows (each `features` long) taken as one stream,
-// from element `base` on; the pass's stretch at i (a span of 4 vectors per row) is the next R spans of it.
+// R rows read together: their R prefetch rows (each `features` long) taken as one stream from element `base` on,
+// the pass's stretch at i being the next R spans of it.
 template <int R, typename scalar_t>
 struct SequentialAhead {
   const scalar_t* const* rows;
   int64_t features;
   int64_t base;
-  const scalar_t* operator()(int64_t i, int r) const {
-    constexpr int64_t kSpan = 4 * Vec<acc_t<scalar_t>>::size();
-    const int64_t e = base + i * R + r * kSpan;
+  const scalar_t* operator()(int64_t i, int r, int64_t span) const {
+    const int64_t e = base + i * R + r * span;
     return rows[e / features] + e % features;
   }
 };
@@ -83,9 +84,9 @@ struct SequentialAhead {
 // <x, y> over n features, or with kCentred <x - m, y> (m and y contiguous), for R contiguous rows x[r] at once:
 // the rows share the loads of m and y (the query in L1 otherwise took as many loads as the rows). Each row's four
 // independent accumulator chains hide the FMA latency, and its whole vectors' products come back as one vector of
-// partial sums, out[r] (the remaining features are the caller's: dot()). A row's partial sums are taken in the same
-// order whatever R, so a score has the same bits however many rows were scored with it. ahead(i, r): what to
-// prefetch as row r's features from i are read (prefetch_span; RowAhead, SequentialAhead), or null.
+// partial sums, out[r] (the remaining features are the caller's: dots()). A row's partial sums are taken in the same
+// order whatever R, so a score has the same bits however many rows were scored with it. ahead: what to prefetch
+// (prefetch_span; RowAhead, SequentialAhead).
 template <int R, bool kCentred, typename scalar_t, typename Ahead>
 [[gnu::always_inline]] inline void partial_dots(const scalar_t* const* x, const acc_t<scalar_t>* m,
                                                 const acc_t<scalar_t>* y, int64_t n, const Ahead& ahead,
@@ -106,7 +107,7 @@ template <int R, bool kCentred, typename scalar_t, typename Ahead>
   int64_t i = 0;
   for (; i + 4 * W <= n; i += 4 * W) {
     for (int r = 0; r < R; ++r) {
-      prefetch_span<4 * W>(ahead(i, r), 0);
+      prefetch_span<4 * W>(ahead(i, r, 4 * W), 0);
     }
     for (int u = 0; u < 4; ++u) {
       const V yu = V::loadu(y + i + u * W);
@@ -124,15 +125,6 @@ template <int R, bool kCentred, typename scalar_t, typename Ahead>
   for (int r = 0; r < R; ++r) {
     out[r] = (s[r][0] + s[r][1]) + (s[r][2] + s[r][3]);
   }
-}
-
-template <bool kCentred, typename scalar_t>
-[[gnu::always_inline]] inline Vec<acc_t<scalar_t>> partial_dot(const scalar_t* x, const acc_t<scalar_t>* m,
-                                                                const acc_t<scalar_t>* y, int64_t n,
-                                                                const scalar_t* prefetch = nullptr) {
-  Vec<acc_t<scalar_t>> out;
-  partial_dots<1, kCentred>(&x, m, y, n, RowAhead<scalar_t>{prefetch}, &out);
-  return out;
 }
 
 // out[r * out_stride] = <x[r], y>, or with kCentred <x[r] - m, y>, for R contiguous rows at once (partial_dots).
@@ -226,7 +218,7 @@ template <int R, typename Ahead>
   int64_t i = 0;
   for (; i + 2 * kPairBlock <= n; i += 2 * kPairBlock) {  // two blocks a round: four independent chains
     for (int r = 0; r < R; ++r) {
-      prefetch_span<2 * kPairBlock>(ahead(i, r), 0);
+      prefetch_span<2 * kPairBlock>(ahead(i, r, 2 * kPairBlock), 0);
     }
     const V q0 = V::loadu(q + i), q1 = V::loadu(q + i + kHalf), q2 = V::loadu(q + i + kPairBlock),
             q3 = V::loadu(q + i + kPairBlock + kHalf);

@@ -2,9 +2,11 @@
 # The one command for a GPU machine (one H100 or H200, no network, see ../shared/GPU.md): builds lmk_ops with its
 # CUDA kernels against the torch installed there, using every core; runs tests/test_cuda.py (stopping at the first
 # failure), then the rest of the suite's CUDA cases; then compute-sanitizer's memcheck, racecheck, synccheck and
-# initcheck on scripts/cuda_kernel_tour.py, which launches every kernel; then the CUDA benchmark report, the CPU
-# kernels' thread scaling on one long text (scripts/cpu_scaling.py: 1, 4 and all cores) and bench/end_to_end.py (a
-# BERT-base training step and inference, lmk_ops against sentence-transformers' pooling).
+# initcheck on scripts/cuda_kernel_tour.py, which launches every kernel; then the CUDA benchmark report, the
+# forward's host launch time against its kernels' and Nsight Compute's figures for each kernel of the issue's target
+# cases (scripts/cuda_profile.py), the CPU kernels' thread scaling on one long text (scripts/cpu_scaling.py: 1, 4
+# and all cores) and bench/end_to_end.py (a BERT-base training step and inference, lmk_ops against
+# sentence-transformers' pooling).
 # Each step's log, the JUnit results and the JSON go to RESULTS_DIR, and a summary is printed at the end. Usage:
 #   bash scripts/gpu_check.sh RESULTS_DIR
 # The build here is against this machine's torch (2.11), and is on the stable ABI like every build. To show that one
@@ -44,7 +46,9 @@ build() {
   "$py" -m pip wheel -v --no-build-isolation --no-deps -C cmake.define.LMK_OPS_CUDA=ON \
     -C build-dir=build/gpu-check -w "$site/wheel" . &&
     "$py" -m pip install -q --no-deps --target "$site/lib" "$site"/wheel/lmk_ops-*.whl &&
-    PYTHONPATH="$site/lib" "$py" -c "import lmk_ops, torch; print(torch.__version__, torch.cuda.get_device_name(), lmk_ops.build_info())"
+    PYTHONPATH="$site/lib" "$py" -c "import lmk_ops, torch; print(torch.__version__, torch.cuda.get_device_name(), lmk_ops.build_info())" &&
+    # Whether this toolchain linked libstdc++ into the module (CMakeLists.txt: --exclude-libs keeps that copy private).
+    { ldd "$site"/lib/lmk_ops/_C*.so | grep 'libstdc++' || echo "libstdc++: linked statically"; }
 }
 
 # Tests run from outside the checkout, so the built package (not python/lmk_ops) is imported.
@@ -78,6 +82,11 @@ if step "build (torch on this machine)" build.log build; then
   done
   step "benchmark report (CUDA)" bench.log in_site "$py" -m lmk_ops.bench --device cuda \
     --shapes 64x512x1024,8x8192x1024,1x32768x1024 --json "$results/bench-cuda.json"
+  step "host launches vs kernels (forward)" launch_overhead.log in_site "$py" "$root/scripts/cuda_profile.py"
+  # One row per kernel of the target cases: time, DRAM throughput (% of peak), occupancy, grid and registers.
+  step "ncu: kernels of the target cases" ncu.log in_site timeout 240 ncu --clock-control none --csv \
+    --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__block_size,launch__registers_per_thread \
+    "$py" "$root/scripts/cuda_profile.py" --once
   step "CPU thread scaling (1, 4, all cores)" cpu_scaling.log in_site "$py" "$root/scripts/cpu_scaling.py" \
     --json "$results/cpu-scaling.json"
   step "end to end: BERT-base train step, inference" end_to_end.log in_site "$py" "$root/bench/end_to_end.py" \

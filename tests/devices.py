@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -25,6 +26,32 @@ def on(device, value):
     return dataclasses.replace(value, **{
         f.name: on(device, getattr(value, f.name)) for f in dataclasses.fields(value)
         if isinstance(getattr(value, f.name), torch.Tensor)})
+
+
+# Set in the fresh process that expect_bad_value starts for a CUDA case.
+_DEVICE_ASSERT_CHILD = "LMK_OPS_TEST_DEVICE_ASSERT_CHILD"
+
+
+def expect_bad_value(device, message, call, request) -> None:
+    """call() must refuse a value that only a kernel reads (an offset, a position, a mask value), naming the op with
+    message (a regular expression). On the CPU the op raises. On CUDA the check runs on the device without a host
+    sync: the device prints the message and the host sees a device-side assertion at its next synchronisation, which
+    leaves the process's CUDA context unusable; so the test runs again in a fresh process that makes the call, and
+    its output must hold the message."""
+    if device != "cuda":
+        with pytest.raises(RuntimeError, match=message):
+            call()
+        return
+    if os.environ.get(_DEVICE_ASSERT_CHILD):
+        with pytest.raises(RuntimeError, match="device-side assert"):
+            call()
+            torch.cuda.synchronize()
+        return
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           request.node.nodeid], cwd=request.config.rootpath, capture_output=True, text=True,
+                          env=dict(os.environ, **{_DEVICE_ASSERT_CHILD: "1"}), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(message, done.stdout), done.stdout[-3000:]
 
 
 LOWER_CPU_CAPABILITIES = ["default", "avx2"]

@@ -3,7 +3,8 @@
 For each op x dtype x shape it times, in one process, lmk_ops, the eager reference (lmk_ops.reference, the code
 people write) and ``torch.compile`` of that reference, forward and forward+backward, and compares the forward
 with the read floor: ``hidden.sum()`` on the same tensor in the same run, which reads every byte once.
-Medians over repeated calls after warm-up; CUDA timings use CUDA events.
+Medians over repeated samples after warm-up; on CUDA a sample is about 2 ms of back-to-back calls between two CUDA
+events (call_ms).
 """
 
 from __future__ import annotations
@@ -87,33 +88,48 @@ def forward_backward(fn, hidden, second, grad):
     return torch.autograd.grad(fn(hidden, second), [hidden, *extra], grad)
 
 
-def call_ms(fn, device: str) -> float:
-    """Milliseconds of one call of fn(): CUDA events on a GPU, the wall clock on the CPU."""
+def call_ms(fn, device: str, calls: int = 1) -> float:
+    """Milliseconds per call of `calls` calls of fn() in a row: CUDA events around them on a GPU, the wall clock on
+    the CPU. On a GPU the host queues the next calls while the kernels run, as in a training loop, so that the
+    launch overhead counts where it exceeds the kernels' time and not otherwise; one call between two events would
+    add the host's launch latency to every op that launches more than one kernel."""
     if device == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end)
+        return start.elapsed_time(end) / calls
     t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / calls
+
+
+def calls_per_sample(first_ms: float, device: str, sample_ms=2.0, most=100) -> int:
+    """How many calls one timing sample takes: about sample_ms of them on a GPU (given one call's time), one on the
+    CPU, whose calls are long enough to time alone."""
+    if device != "cuda":
+        return 1
+    return max(1, min(most, int(sample_ms / max(first_ms, 1e-3))))
 
 
 def time_ms(fn, device: str, min_time=0.1, min_reps=5, max_reps=100, slow_ms=100.0) -> float:
-    """Median milliseconds of fn() over repeated calls after one warm-up call (which compiles and allocates): at
+    """Median milliseconds of fn() over repeated samples after one warm-up call (which compiles and allocates): at
     least min_reps, about min_time seconds in all. A call slower than slow_ms (the eager baselines on large shapes,
     many times slower than lmk_ops) is timed once after the warm-up: that is plenty precise for a ratio of many
     times, and the report keeps to its time."""
     fn()
     if device == "cuda":
         torch.cuda.synchronize()
-    samples = [call_ms(fn, device)]
-    if samples[0] > slow_ms:
-        return samples[0]
-    while len(samples) < min_reps or (sum(samples) / 1e3 < min_time and len(samples) < max_reps):
-        samples.append(call_ms(fn, device))
+    first = call_ms(fn, device)
+    if first > slow_ms:
+        return first
+    calls = calls_per_sample(first, device)
+    samples = [call_ms(fn, device, calls)]
+    while len(samples) < min_reps or (sum(samples) * calls / 1e3 < min_time and len(samples) < max_reps):
+        samples.append(call_ms(fn, device, calls))
     return statistics.median(samples)
 
 
@@ -129,15 +145,16 @@ def time_together(fns: dict, device: str, min_time=0.3, min_rounds=3, block_ms=2
             fn()
             first[name] = call_ms(fn, device)
     turns = {name: fns[name] for name, ms in first.items() if ms <= slow_ms}
+    calls = {name: calls_per_sample(first[name], device) for name in turns}
     samples = {name: [] for name in turns}
     rounds, spent = 0, 0.0
     while turns and (rounds < min_rounds or spent < min_time * 1e3):
         for name, fn in turns.items():
-            block = [call_ms(fn, device)]
-            while sum(block) < block_ms:
-                block.append(call_ms(fn, device))
+            block = [call_ms(fn, device, calls[name])]
+            while sum(block) * calls[name] < block_ms:
+                block.append(call_ms(fn, device, calls[name]))
             samples[name] += block
-            spent += sum(block)
+            spent += sum(block) * calls[name]
         rounds += 1
     return {name: statistics.median(samples[name]) if name in samples else first.get(name) for name in fns}
 

@@ -45,9 +45,12 @@ def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = Fa
     valid = _valid(hidden, mask).unsqueeze(-1)
     filled = hidden.masked_fill(~valid, float("-inf"))
     best = filled.amax(dim=1, keepdim=True)
-    # The first valid position holding the maximum (a NaN counts as the maximum); argmax returns the first hit.
+    # The first valid position holding the maximum (a NaN counts as the maximum), 0 where none is valid. (Not
+    # argmax of hit as int8, which finds the first hit too: torch.compile of that on CUDA, torch 2.11, gathered out
+    # of range in the backward, a device-side assert.)
     hit = ((filled == best) | (filled.isnan() & best.isnan())) & valid
-    index = hit.to(torch.int8).argmax(dim=1)
+    positions = torch.arange(hidden.shape[1], device=hidden.device).view(1, -1, 1)
+    index = torch.where(hit, positions, hidden.shape[1]).amin(dim=1).clamp_max(hidden.shape[1] - 1)
     values = hidden.gather(1, index.unsqueeze(1)).squeeze(1)
     any_valid = valid.any(dim=1)
     values = _maybe_normalize(torch.where(any_valid, values, torch.zeros_like(values)), normalize)

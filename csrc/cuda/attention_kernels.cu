@@ -30,6 +30,12 @@ namespace lmk_ops::cuda {
 namespace {
 
 constexpr int kMaxSums = 2 * kRowsInFlight;  // values one head_sums call reduces (scores and, backward, errors)
+// Values each row lane >= 1 hands to row lane 0 at the end of a chunk: forward, the maximum, the total and its
+// carry, the weighted sums and their carries; backward, the sum of p e and the sums of p e (x - m) and p (x - m).
+template <int P, int VEC>
+constexpr int kForwardSlot = 2 * P * VEC + 3;
+template <int P, int VEC>
+constexpr int kBackwardSlot = 2 * P * VEC + 1;
 // A lane holds one pack of a head's features, or kWidePacks packs when the head has more than kThreads packs: a
 // head then spans up to kThreads lanes holding kWidePacks packs each (4096 float32, 8192 bfloat16 or 2048 float64
 // features when rows are contiguous and aligned).
@@ -211,6 +217,45 @@ __device__ __forceinline__ void scale_scores(acc (&sums)[N], acc (&shrunk)[N], i
   }
 }
 
+// Where row lane y >= 1 of a block hands its values (slot values each) to row lane 0, which keeps its own in
+// registers. The launches size the shared memory for row_lanes - 1 lanes: all of them would pass the 48 KB a launch
+// may take without opting in, for a bfloat16 head of 2k-4k features (packs of 8, 4 per lane, 2 row lanes).
+__device__ __forceinline__ int64_t row_lane_slot(int y, int lanes, int slot) {
+  return (int64_t{y - 1} * lanes + threadIdx.x) * slot;
+}
+
+// Bytes of shared memory for the row lanes' hand-over of `slot` values of type acc each.
+template <typename acc>
+size_t row_lane_bytes(const HeadLayout& layout, int slot) {
+  return size_t(layout.row_lanes - 1) * size_t(layout.lanes) * size_t(slot) * sizeof(acc);
+}
+
+// The factor exp(from - to) that moves a sum of weights exp(. - from) to exp(. - to), to >= from: 0 where there was
+// nothing yet (from = -inf).
+template <typename acc>
+__device__ __forceinline__ acc rescale_factor(acc from, acc to) {
+  return from == to ? acc(1) : (from == -std::numeric_limits<acc>::infinity() ? acc(0) : device_exp(from - to));
+}
+
+// Additions and a product rounded as written: nvcc would otherwise fuse a product into the addition after it, and a
+// compensated sum must know each rounding it makes.
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
+// sum += a * b, compensated (Kahan, with the product's own rounding error, which an fma gives exactly): carry holds
+// minus what the roundings lost, so that sum - carry is the exact sum but for the roundings of carry itself.
+template <typename acc>
+__device__ __forceinline__ void add_product(acc& sum, acc& carry, acc a, acc b) {
+  const acc product = mul_rn(a, b);
+  const acc lost = fma(a, b, -product);
+  const acc term = add_rn(product, -carry);
+  const acc next = add_rn(sum, term);
+  carry = add_rn(add_rn(add_rn(next, -sum), -term), -lost);
+  sum = next;
+}
+
 // Scales total and weighted (P x VEC values) from exp(. - from) to exp(. - to), to >= from; a lane with nothing
 // yet (from = -inf) contributes nothing.
 template <int P, int VEC, typename acc>
@@ -218,7 +263,7 @@ __device__ __forceinline__ void rescale(acc from, acc to, acc& total, acc (&weig
   if (from == to) {
     return;
   }
-  const acc factor = from == -std::numeric_limits<acc>::infinity() ? acc(0) : device_exp(from - to);
+  const acc factor = rescale_factor(from, to);
   total *= factor;
 #pragma unroll
   for (int p = 0; p < P; ++p) {
@@ -229,11 +274,11 @@ __device__ __forceinline__ void rescale(acc from, acc to, acc& total, acc (&weig
   }
 }
 
-// rescale() for a compensated sum: weighted and its compensation carry (what its rounding lost) scale alike.
+// rescale() for compensated sums: each sum and its compensation carry (what its roundings lost) scale alike.
 template <int P, int VEC, typename acc>
-__device__ __forceinline__ void rescale(acc from, acc to, acc& total, acc (&weighted)[P][VEC], acc (&carry)[P][VEC]) {
-  acc no_total = 0;
-  rescale(from, to, no_total, carry);
+__device__ __forceinline__ void rescale(acc from, acc to, acc& total, acc& total_carry, acc (&weighted)[P][VEC],
+                                        acc (&carry)[P][VEC]) {
+  rescale(from, to, total_carry, carry);
   rescale(from, to, total, weighted);
 }
 
@@ -264,11 +309,15 @@ __global__ void __launch_bounds__(kThreads)
   load_lane_wide(query, me, layout.seg, q);
   const scalar_t* text = hidden + b * sb;
   const int64_t step = int64_t{layout.row_lanes} * R;
-  // A lane's weighted sums are compensated (Kahan): carry holds what their roundings lost, so that a lane's run of
-  // up to kChunkRows rows (all of a chunk's rows where a head's packs fill the block) stays within about an ulp of its
-  // exact sum; 128 plain float32 additions of a constant lose up to 30 ulp (simulated on the CPU). An overflow makes
-  // the sums NaN, which sends the chunk to the scaled second pass below, as an infinite sum did before.
-  acc best, total, weighted[P][VEC], carry[P][VEC];
+  // A lane's total and weighted sums are compensated (add_product): carry holds what their roundings lost, the
+  // products' included, and the row lanes' sums are merged and divided in float64 with their carries; so a chunk's
+  // weighted mean is within about an ulp of float64's of the exact one, where 128 plain float32 additions of a
+  // constant lose up to 30 ulp of float32 (simulated on the CPU). Where a text's rows agree in a feature, its mean is
+  // then that value exactly: the backward works relative to the mean and so gets exact zeros there, where an
+  // H100 left 3e25 in such a query gradient over rows near float32's maximum when the products were rounded
+  // uncompensated and the row lanes merged in float32. An overflow makes the sums NaN, which sends the chunk to the
+  // scaled second pass below.
+  acc best, total, total_carry, weighted[P][VEC], carry[P][VEC];
   // One pass over the chunk's rows (this lane's share) with an online softmax, the weights scaled by shrink.
   const auto sum_chunk = [&](acc shrink) {
 #pragma unroll
@@ -280,7 +329,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     best = kNegInf;
-    total = 0;
+    total = total_carry = 0;
     for (int64_t base = begin; base < end; base += step) {
       acc x[R][P][VEC], s[R], shrunk[R];
       int64_t at[R];
@@ -307,32 +356,22 @@ __global__ void __launch_bounds__(kThreads)
           }
         }
       }
-      rescale(best, top, total, weighted, carry);
+      rescale(best, top, total, total_carry, weighted, carry);
       best = top;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         if (at[r] >= 0) {
           const acc p = device_exp(s[r] - best);
-          total += p;
-          const acc shrunk = p * shrink;
+          add_product(total, total_carry, p, acc(1));
+          const acc shrunk = p * shrink;  // exact: a power of two
 #pragma unroll
           for (int k = 0; k < P; ++k) {
 #pragma unroll
             for (int i = 0; i < VEC; ++i) {
-              const acc term = shrunk * x[r][k][i] - carry[k][i];
-              const acc sum = weighted[k][i] + term;
-              carry[k][i] = (sum - weighted[k][i]) - term;
-              weighted[k][i] = sum;
+              add_product(weighted[k][i], carry[k][i], shrunk, x[r][k][i]);
             }
           }
         }
-      }
-    }
-#pragma unroll
-    for (int p = 0; p < P; ++p) {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        weighted[p][i] -= carry[p][i];
       }
     }
   };
@@ -351,18 +390,31 @@ __global__ void __launch_bounds__(kThreads)
     sum_chunk(shrink);
   }
 
-  // Row lanes 1.. hand (max, total, weighted) to row lane 0, which merges them in order.
+  // In float64: each lane's sums less their carries, row lanes 1.. handing theirs (through shared memory) to row
+  // lane 0, which merges them in order.
+  double sum_total = static_cast<double>(total) - static_cast<double>(total_carry), sums[P][VEC];
+#pragma unroll
+  for (int p = 0; p < P; ++p) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      sums[p][i] = static_cast<double>(weighted[p][i]) - static_cast<double>(carry[p][i]);
+    }
+  }
   if (layout.row_lanes > 1) {
     acc* shared = reinterpret_cast<acc*>(shared_bytes);
-    constexpr int kSlot = P * VEC + 2;
-    const int64_t mine = (int64_t{threadIdx.y} * layout.lanes + threadIdx.x) * kSlot;
-    shared[mine] = best;
-    shared[mine + 1] = total;
+    constexpr int kSlot = kForwardSlot<P, VEC>;
+    if (threadIdx.y > 0) {
+      const int64_t mine = row_lane_slot(threadIdx.y, layout.lanes, kSlot);
+      shared[mine] = best;
+      shared[mine + 1] = total;
+      shared[mine + 2] = total_carry;
 #pragma unroll
-    for (int p = 0; p < P; ++p) {
+      for (int p = 0; p < P; ++p) {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        shared[mine + 2 + p * VEC + i] = weighted[p][i];
+        for (int i = 0; i < VEC; ++i) {
+          shared[mine + 3 + p * VEC + i] = weighted[p][i];
+          shared[mine + 3 + (P + p) * VEC + i] = carry[p][i];
+        }
       }
     }
     __syncthreads();
@@ -370,27 +422,21 @@ __global__ void __launch_bounds__(kThreads)
       return;
     }
     for (int y = 1; y < layout.row_lanes; ++y) {
-      const acc* other = shared + (int64_t{y} * layout.lanes + threadIdx.x) * kSlot;
+      const acc* other = shared + row_lane_slot(y, layout.lanes, kSlot);
       const acc top = other[0] > best ? other[0] : best;
-      rescale(best, top, total, weighted);
-      acc other_total = other[1], other_weighted[P][VEC];
+      const double mine_factor = rescale_factor(best, top), other_factor = rescale_factor(other[0], top);
+      sum_total = sum_total * mine_factor +
+                  (static_cast<double>(other[1]) - static_cast<double>(other[2])) * other_factor;
 #pragma unroll
       for (int p = 0; p < P; ++p) {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          other_weighted[p][i] = other[2 + p * VEC + i];
+          const double theirs =
+              static_cast<double>(other[3 + p * VEC + i]) - static_cast<double>(other[3 + (P + p) * VEC + i]);
+          sums[p][i] = sums[p][i] * mine_factor + theirs * other_factor;
         }
       }
-      rescale(other[0], top, other_total, other_weighted);
       best = top;
-      total += other_total;
-#pragma unroll
-      for (int p = 0; p < P; ++p) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          weighted[p][i] += other_weighted[p][i];
-        }
-      }
     }
   }
 #pragma unroll
@@ -401,21 +447,22 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t feature = me.pack(p, layout.seg) * VEC;
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      if (n <= kChunkRows) {  // the only chunk: finish here
-        out[b * dim + feature + i] = n == 0 ? scalar_t(0) : static_cast<scalar_t>(weighted[p][i] / total / shrink);
+      // The chunk's weighted mean: the text's result where it is the only chunk, else see attention_combine.
+      const double mean = sums[p][i] / sum_total / static_cast<double>(shrink);
+      if (n <= kChunkRows) {
+        out[b * dim + feature + i] = n == 0 ? scalar_t(0) : static_cast<scalar_t>(mean);
       } else {
-        part_out[part * dim + feature + i] =  // the chunk's weighted mean (see attention_combine)
-            static_cast<double>(weighted[p][i]) / static_cast<double>(total) / static_cast<double>(shrink);
+        part_out[part * dim + feature + i] = mean;
       }
     }
   }
   if (me.leader) {
     if (n <= kChunkRows && n > 0) {
       stats[(b * heads + me.head) * 2] = best;
-      stats[(b * heads + me.head) * 2 + 1] = total;
+      stats[(b * heads + me.head) * 2 + 1] = sum_total;
     } else if (n > kChunkRows) {
       part_max[part * heads + me.head] = best;
-      part_sum[part * heads + me.head] = total;
+      part_sum[part * heads + me.head] = static_cast<acc>(sum_total);
     }
   }
 }
@@ -595,15 +642,17 @@ __global__ void __launch_bounds__(kThreads)
 
   if (layout.row_lanes > 1) {
     acc* shared = reinterpret_cast<acc*>(shared_bytes);
-    constexpr int kSlot = 2 * P * VEC + 1;
-    const int64_t mine = (int64_t{threadIdx.y} * layout.lanes + threadIdx.x) * kSlot;
-    shared[mine] = pe;
+    constexpr int kSlot = kBackwardSlot<P, VEC>;
+    if (threadIdx.y > 0) {
+      const int64_t mine = row_lane_slot(threadIdx.y, layout.lanes, kSlot);
+      shared[mine] = pe;
 #pragma unroll
-    for (int p = 0; p < P; ++p) {
+      for (int p = 0; p < P; ++p) {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        shared[mine + 1 + p * VEC + i] = pex[p][i];
-        shared[mine + 1 + (P + p) * VEC + i] = px[p][i];
+        for (int i = 0; i < VEC; ++i) {
+          shared[mine + 1 + p * VEC + i] = pex[p][i];
+          shared[mine + 1 + (P + p) * VEC + i] = px[p][i];
+        }
       }
     }
     __syncthreads();
@@ -611,7 +660,7 @@ __global__ void __launch_bounds__(kThreads)
       return;
     }
     for (int y = 1; y < layout.row_lanes; ++y) {
-      const acc* other = shared + (int64_t{y} * layout.lanes + threadIdx.x) * kSlot;
+      const acc* other = shared + row_lane_slot(y, layout.lanes, kSlot);
       pe += other[0];
 #pragma unroll
       for (int p = 0; p < P; ++p) {
@@ -788,7 +837,7 @@ void forward_typed(const Tensor& hidden_in, const AttentionRows& rows, const Ten
   const auto data = [](Tensor& t) { return t.defined() ? t.mutable_data_ptr<acc>() : nullptr; };
   double* chunk_out = part_out.defined() ? part_out.mutable_data_ptr<double>() : nullptr;
   with_head_layout<scalar_t>(layout, [&]<int VEC, int P>() {
-    const size_t shared = layout.row_lanes > 1 ? size_t{kThreads} * (P * VEC + 2) * sizeof(acc) : 0;
+    const size_t shared = row_lane_bytes<acc>(layout, kForwardSlot<P, VEC>);
     attention_chunks<scalar_t, VEC, P>
         <<<checked_blocks(chunks.bound * layout.tiles), dim3(layout.lanes, layout.row_lanes), shared, stream()>>>(
             hidden.const_data_ptr<scalar_t>(), hidden.stride(0), hidden.stride(1), hidden.stride(2), list.view(),
@@ -831,7 +880,7 @@ void backward_typed(const Tensor& grad, const Tensor& grad_weights, const Tensor
   Tensor query_shares = empty_on(hidden, {batch, dim}, wide);
   const acc wide_scale = static_cast<acc>(scale);
   with_head_layout<scalar_t>(layout, [&]<int VEC, int P>() {
-    const size_t shared = layout.row_lanes > 1 ? size_t{kThreads} * (2 * P * VEC + 1) * sizeof(acc) : 0;
+    const size_t shared = row_lane_bytes<acc>(layout, kBackwardSlot<P, VEC>);
     attention_backward_chunks<scalar_t, VEC, P>
         <<<checked_blocks(chunks.bound * layout.tiles), dim3(layout.lanes, layout.row_lanes), shared, stream()>>>(
             hidden.const_data_ptr<scalar_t>(), hidden.stride(0), hidden.stride(1), hidden.stride(2), list.view(),

@@ -244,16 +244,21 @@ __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 
-// sum += a * b, compensated (Kahan, with the product's own rounding error, which an fma gives exactly): carry holds
-// minus what the roundings lost, so that sum - carry is the exact sum but for the roundings of carry itself.
+// sum += value + lost, compensated (Kahan): carry holds minus what the roundings lost (and lost, what value's own
+// rounding lost), so that sum - carry is the exact sum but for the roundings of carry itself.
 template <typename acc>
-__device__ __forceinline__ void add_product(acc& sum, acc& carry, acc a, acc b) {
-  const acc product = mul_rn(a, b);
-  const acc lost = fma(a, b, -product);
-  const acc term = add_rn(product, -carry);
+__device__ __forceinline__ void add_compensated(acc& sum, acc& carry, acc value, acc lost = acc(0)) {
+  const acc term = add_rn(value, -carry);
   const acc next = add_rn(sum, term);
   carry = add_rn(add_rn(add_rn(next, -sum), -term), -lost);
   sum = next;
+}
+
+// sum += a * b, compensated, with the product's own rounding error, which an fma gives exactly.
+template <typename acc>
+__device__ __forceinline__ void add_product(acc& sum, acc& carry, acc a, acc b) {
+  const acc product = mul_rn(a, b);
+  add_compensated(sum, carry, product, fma(a, b, -product));
 }
 
 // Scales total and weighted (P x VEC values) from exp(. - from) to exp(. - to), to >= from; a lane with nothing
@@ -309,14 +314,14 @@ __global__ void __launch_bounds__(kThreads)
   load_lane_wide(query, me, layout.seg, q);
   const scalar_t* text = hidden + b * sb;
   const int64_t step = int64_t{layout.row_lanes} * R;
-  // A lane's total and weighted sums are compensated (add_product): carry holds what their roundings lost, the
-  // products' included, and the row lanes' sums are merged and divided in float64 with their carries; so a chunk's
-  // weighted mean is within about an ulp of float64's of the exact one, where 128 plain float32 additions of a
-  // constant lose up to 30 ulp of float32 (simulated on the CPU). Where a text's rows agree in a feature, its mean is
-  // then that value exactly: the backward works relative to the mean and so gets exact zeros there, where an
-  // H100 left 3e25 in such a query gradient over rows near float32's maximum when the products were rounded
-  // uncompensated and the row lanes merged in float32. An overflow makes the sums NaN, which sends the chunk to the
-  // scaled second pass below.
+  // A lane's total and weighted sums are compensated (add_compensated, add_product): carry holds what their
+  // roundings lost, the products' included, and the row lanes' sums are merged and divided in float64 with their
+  // carries; so a chunk's weighted mean is within about an ulp of float64's of the exact one, where 128 plain
+  // float32 additions of a constant lose up to 30 ulp of float32 (simulated on the CPU). Where a text's rows agree
+  // in a feature, its mean is then that value exactly: the backward works relative to the mean and so gets exact
+  // zeros there, where an H100 left 3e25 in such a query gradient over rows near float32's maximum when the
+  // products were rounded uncompensated and the row lanes merged in float32. An overflow makes the sums NaN, which
+  // sends the chunk to the scaled second pass below.
   acc best, total, total_carry, weighted[P][VEC], carry[P][VEC];
   // One pass over the chunk's rows (this lane's share) with an online softmax, the weights scaled by shrink.
   const auto sum_chunk = [&](acc shrink) {
@@ -362,7 +367,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int r = 0; r < R; ++r) {
         if (at[r] >= 0) {
           const acc p = device_exp(s[r] - best);
-          add_product(total, total_carry, p, acc(1));
+          add_compensated(total, total_carry, p);
           const acc shrunk = p * shrink;  // exact: a power of two
 #pragma unroll
           for (int k = 0; k < P; ++k) {

@@ -110,6 +110,19 @@ def test_means_of_values_near_the_dtype_maximum_do_not_overflow(device, dtype, v
     assert torch.allclose(lmk_ops.mean_pool(hidden, normalize=True).cpu().double(), unit, rtol=rtol)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_bfloat16_means_near_the_maximum_keep_each_feature_in_place(device):
+    # Contiguous bfloat16 rows are summed in pair order (SumReducer::slot on the CPU), and a chunk whose float32 sums
+    # overflow is summed again in float64: each feature must come back in its own place. Every feature has its own
+    # value; the mixed-sign ones sit inside pair blocks (1, 17) and past the last whole one (35).
+    top = torch.finfo(torch.float32).max
+    hidden = (torch.linspace(0.5, 0.99, 40, dtype=torch.float64) * top).to(torch.bfloat16).expand(2, 1500, 40).clone()
+    for feature in (1, 17, 35):
+        hidden[1, :, feature] *= torch.tensor([1.0, -1.0]).repeat(750).to(torch.bfloat16)
+    expected = (hidden.double() / 4096).mean(1) * 4096  # exact scaling, as in the test above
+    assert torch.equal(lmk_ops.mean_pool(hidden.to(device)).cpu(), expected.to(torch.bfloat16))
+
+
 def _rows_near_the_float32_maximum(dtype, heads, length):
     """Two texts of rows at 0.9 * float32's maximum (the second with five features of alternating sign and 54
     random ones), a float32 query of ~1e-38 (scores of order one), and the generator, for more draws."""

@@ -65,29 +65,30 @@ template <typename scalar_t>
   }
 }
 
-// Calls step(i) for i = *at, *at + W, ... while a vector of W = Vec<acc_t<scalar_t>>::size() features fits in n,
-// prefetching each line of `ahead` as prefetch_line() does, and leaves *at past the last. The whole lines of a
-// contiguous row go a line per round (one prefetch, then the line's vectors, unrolled) rather than a test and a
-// branch per vector: same operations, same bits. Zen 3 (AVX2), 2 threads, three rounds in alternating processes,
+// Calls step(i) for i = *at, *at + kStep, ... while kStep features fit in n (a vector's, a pair block's, a key
+// vector's), prefetching each line of `ahead` as prefetch_line() does, and leaves *at past the last. The whole lines
+// of a contiguous row go a line per round (one prefetch, then the line's steps, unrolled) rather than a test and a
+// branch per step: same operations, same bits. Zen 3 (AVX2), 2 threads, three rounds in alternating processes,
 // time over hidden.sum()'s: float32 mean 1x32768x1024 1.34-1.54x -> 1.21-1.32x, 8x4096x1024 1.45-1.54x ->
-// 1.22-1.28x, 32x512x768 1.56-1.67x -> 1.24-1.27x; float32 max 1.28-1.79x -> 1.28-1.45x; bfloat16 no worse.
-template <typename scalar_t, typename Step>
-[[gnu::always_inline]] inline void for_each_vector(const scalar_t* ahead, int64_t* at, int64_t n, const Step& step) {
+// 1.22-1.28x, 32x512x768 1.56-1.67x -> 1.24-1.27x; float32 max 1.28-1.79x -> 1.28-1.45x. Then the bfloat16 pair
+// blocks and keys too: 32x512x768 mean 1.12-1.38x -> 0.98-1.09x, max 1.06-1.25x -> 0.86-0.98x, 8x4096x1024 mean and
+// max 1.04-1.36x -> 1.00-1.12x, 1x32768x1024 unchanged within the noise (1.06-1.32x -> 1.10-1.25x).
+template <int64_t kStep, typename scalar_t, typename Step>
+[[gnu::always_inline]] inline void for_each_step(const scalar_t* ahead, int64_t* at, int64_t n, const Step& step) {
   constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(scalar_t));
-  constexpr int64_t W = Vec<acc_t<scalar_t>>::size();
   int64_t i = *at;
-  if constexpr (kLine % W == 0) {
+  if constexpr (kLine % kStep == 0) {
     if (i % kLine == 0) {
       for (; i + kLine <= n; i += kLine) {
         __builtin_prefetch(ahead + i, 0, 3);
 #pragma GCC unroll 8
-        for (int64_t j = 0; j < kLine; j += W) {
+        for (int64_t j = 0; j < kLine; j += kStep) {
           step(i + j);
         }
       }
     }
   }
-  for (; i + W <= n; i += W) {
+  for (; i + kStep <= n; i += kStep) {
     prefetch_line(ahead, i);
     step(i);
   }
@@ -133,15 +134,14 @@ struct SumReducer {
   void add_row(const scalar_t* row, int64_t /*l*/, int64_t stride, int64_t width, const scalar_t* ahead) {
     int64_t i = 0;
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-      for (; i < paired; i += kPairBlock) {
-        prefetch_line(ahead, i);
-        const Pairs p = load_pairs(row + i);
-        (V::loadu(sum + i) + p.even).store(sum + i);
-        (V::loadu(sum + i + kPairBlock / 2) + p.odd).store(sum + i + kPairBlock / 2);
-      }
+      for_each_step<kPairBlock>(ahead, &i, paired, [&](int64_t j) __attribute__((always_inline)) {
+        const Pairs p = load_pairs(row + j);
+        (V::loadu(sum + j) + p.even).store(sum + j);
+        (V::loadu(sum + j + kPairBlock / 2) + p.odd).store(sum + j + kPairBlock / 2);
+      });
     }
     if (stride == 1) {
-      for_each_vector(ahead, &i, width, [&](int64_t j) __attribute__((always_inline)) {
+      for_each_step<V::size()>(ahead, &i, width, [&](int64_t j) __attribute__((always_inline)) {
         (V::loadu(sum + j) + load_widened(row + j)).store(sum + j);
       });
     }
@@ -297,21 +297,20 @@ struct MaxReducer {
         row_at[rows_seen] = row;
         position_at[rows_seen] = l;
         const Keys ordinal_of_row = Keys{} + static_cast<int16_t>(rows_seen++);
-        for (; i < keyed; i += kKeyLanes) {
-          prefetch_line(ahead, i);
+        for_each_step<kKeyLanes>(ahead, &i, keyed, [&](int64_t j) __attribute__((always_inline)) {
           Keys kept, at;
-          std::memcpy(&kept, key + i, sizeof kept);
-          std::memcpy(&at, ordinal + i, sizeof at);
-          keep_key(kept, at, order_keys(row + i), ordinal_of_row);
-          std::memcpy(key + i, &kept, sizeof kept);
-          std::memcpy(ordinal + i, &at, sizeof at);
-        }
+          std::memcpy(&kept, key + j, sizeof kept);
+          std::memcpy(&at, ordinal + j, sizeof at);
+          keep_key(kept, at, order_keys(row + j), ordinal_of_row);
+          std::memcpy(key + j, &kept, sizeof kept);
+          std::memcpy(ordinal + j, &at, sizeof at);
+        });
       }
     }
 #endif
     if (stride == 1) {
       const Where position(static_cast<index_t>(l));
-      for_each_vector(ahead, &i, n, [&](int64_t j) __attribute__((always_inline)) {
+      for_each_step<V::size()>(ahead, &i, n, [&](int64_t j) __attribute__((always_inline)) {
         V m = V::loadu(best + j);
         Where w = Where::loadu(where + j);
         keep_max(m, w, load_widened(row + j), position);

@@ -68,11 +68,14 @@ template <typename scalar_t>
 // Calls step(i) for i = *at, *at + kStep, ... while kStep features fit in n (a vector's, a pair block's, a key
 // vector's), prefetching each line of `ahead` as prefetch_line() does, and leaves *at past the last. The whole lines
 // of a contiguous row go a line per round (one prefetch, then the line's steps, unrolled) rather than a test and a
-// branch per step: same operations, same bits. Zen 3 (AVX2), 2 threads, three rounds in alternating processes,
-// time over hidden.sum()'s: float32 mean 1x32768x1024 1.34-1.54x -> 1.21-1.32x, 8x4096x1024 1.45-1.54x ->
-// 1.22-1.28x, 32x512x768 1.56-1.67x -> 1.24-1.27x; float32 max 1.28-1.79x -> 1.28-1.45x. Then the bfloat16 pair
-// blocks and keys too: 32x512x768 mean 1.12-1.38x -> 0.98-1.09x, max 1.06-1.25x -> 0.86-0.98x, 8x4096x1024 mean and
-// max 1.04-1.36x -> 1.00-1.12x, 1x32768x1024 unchanged within the noise (1.06-1.32x -> 1.10-1.25x).
+// branch per step: same operations, same bits. Against a clean build of the code before (8bed6b7), Zen 3 (AVX2), 2
+// threads, 1x32768x1024, three rounds in alternating processes, time over hidden.sum()'s: float32 max
+// 1.35-1.44x -> 1.25-1.29x, bfloat16 max 1.06-1.16x -> 1.04-1.07x, float32 mean 1.19-1.30x -> 1.27-1.31x (no
+// gain), bfloat16 mean 0.93-0.94x -> 1.12x (slower). The mean with its old loops back (everything else as here)
+// measured 1.36-1.54x (float32) and 0.94-1.00x (bfloat16) in the same hour: on this machine the same source moves
+// by 10-20% with where the code lands, so these figures bound what the change does rather than measure it. (The
+// first gains measured for it, float32 mean 1.34-1.54x -> 1.21-1.32x, were against a build instrumented with
+// run-time prefetch switches, which had made the old loop slower.)
 template <int64_t kStep, typename scalar_t, typename Step>
 [[gnu::always_inline]] inline void for_each_step(const scalar_t* ahead, int64_t* at, int64_t n, const Step& step) {
   constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(scalar_t));

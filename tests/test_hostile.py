@@ -445,6 +445,16 @@ def test_num_landmarks_makes_positions_and_gather_traceable():
         lmk_ops.landmark_positions(mask, -1)
 
 
+@pytest.mark.parametrize("call", [lambda m: lmk_ops.landmark_positions(m, 10**12),
+                                  lambda m: lmk_ops.landmark_gather(torch.randn(2, 5, 4), m, num_landmarks=2**62),
+                                  lambda m: lmk_ops.landmark_positions(m[0], 10**15, cu_seqlens=torch.tensor([0, 5]))])
+def test_a_num_landmarks_too_large_to_allocate_is_an_lmk_ops_error(call):
+    mask = torch.tensor([[0, 1, 1, 0, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_(positions|gather): expected num_landmarks whose int64 "
+                                           r"positions \[[12], K\] fit in memory, got num_landmarks = [0-9]+ \("):
+        call(mask)
+
+
 @pytest.mark.parametrize("fn", [lmk_ops.first_token_pool, lmk_ops.last_token_pool,
                                 lambda h, m: lmk_ops.landmark_gather(h, m.bool(), num_landmarks=2)[0]])
 def test_token_pools_and_gather_work_on_meta_and_fake_tensors(fn):

@@ -181,8 +181,16 @@ def _positions(op: str, landmark_mask: Tensor, num_landmarks: int | None, cu_seq
     # Each landmark goes to (its text, its rank); other tokens, and landmarks past K, to a spare last column,
     # dropped after.
     column = torch.where(landmark_mask & (rank < num_landmarks), rank, num_landmarks)
-    positions = torch.full((batch * (num_landmarks + 1),), -1, dtype=torch.long, device=device).scatter(
-        0, (text * (num_landmarks + 1) + column).flatten(), offset.flatten())  # out of place: torch.vmap batches it
+    size = batch * (num_landmarks + 1)
+    try:
+        if isinstance(size, int) and size > torch.iinfo(torch.long).max:
+            raise RuntimeError(f"{size} elements: more than an int64 counts")
+        positions = torch.full((size,), -1, dtype=torch.long, device=device)
+    except RuntimeError as error:  # a K far beyond any text's length: say so rather than only the allocator's words
+        fail(op, f"expected num_landmarks whose int64 positions [{batch}, K] fit in memory, got num_landmarks = "
+                 f"{num_landmarks} ({str(error).splitlines()[0]})")
+    positions = positions.scatter(  # out of place: torch.vmap batches it
+        0, (text * (num_landmarks + 1) + column).flatten(), offset.flatten())
     return positions.view(batch, num_landmarks + 1)[:, :num_landmarks].clone()
 
 

@@ -555,6 +555,8 @@ UNCLEAR = [
      r"landmark_positions: expected num_landmarks as an int >= 0 \(or None\), got -1"),
     (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=9).to(torch.float16),
      r"LandmarkBatch\.to: expected a device, got the dtype torch\.float16"),
+    (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=9).packed().to("nonsense"),
+     r"PackedLandmarkBatch\.to: expected a device \(a torch\.device, or a string such as 'cuda:0'\), got 'nonsense'"),
     # Tensor arguments other than hidden, and the scale, are checked before the dispatcher's own message.
     (lambda: lmk_ops.mean_pool(torch.randn(2, 3, 4), [[1, 1, 0], [1, 0, 0]]),
      r"mean_pool: expected mask to be a tensor or None, got list"),

@@ -92,6 +92,11 @@ def _moved(batch, device, non_blocking: bool):
     if isinstance(device, torch.dtype):
         raise TypeError(f"lmk_ops.{type(batch).__name__}.to: expected a device, got the dtype {device} (the ids and "
                         "masks keep their dtypes)")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise TypeError(f"lmk_ops.{type(batch).__name__}.to: expected a device (a torch.device, or a string such as "
+                        f"'cuda:0'), got {device!r} ({error})") from None
     return type(batch)(*(v.to(device, non_blocking=non_blocking) if isinstance(v, Tensor) else v
                          for v in (getattr(batch, k) for k in batch.keys())))
 

@@ -445,6 +445,21 @@ def test_num_landmarks_makes_positions_and_gather_traceable():
         lmk_ops.landmark_positions(mask, -1)
 
 
+def test_without_num_landmarks_torch_compile_breaks_the_graph_to_count_and_fullgraph_says_to_pass_it():
+    mask = torch.tensor([[0, 1, 1, 0, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    hidden = torch.randn(2, 5, 8)
+    want = lmk_ops.landmark_gather(hidden, mask)
+    torch._dynamo.reset()  # no compiled code of an earlier test's call may serve this one
+    got = torch.compile(lambda h, m: lmk_ops.landmark_gather(h, m))(hidden, mask)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    positions = torch.compile(lambda m: lmk_ops.landmark_positions(m), dynamic=True)(mask)
+    assert torch.equal(positions, torch.tensor([[1, 2, 4], [0, -1, -1]]))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"lmk_ops\.landmark_gather: the width K of the positions depends on the "
+                                        r"landmark mask's values; pass num_landmarks"):
+        torch.compile(lambda h, m: lmk_ops.landmark_gather(h, m), fullgraph=True)(hidden, mask)
+
+
 @pytest.mark.parametrize("call", [lambda m: lmk_ops.landmark_positions(m, 10**12),
                                   lambda m: lmk_ops.landmark_gather(torch.randn(2, 5, 4), m, num_landmarks=2**62),
                                   lambda m: lmk_ops.landmark_positions(m[0], 10**15, cu_seqlens=torch.tensor([0, 5]))])

@@ -135,7 +135,8 @@ def landmark_positions(landmark_mask: Tensor, num_landmarks: int | None = None, 
     ``K`` is ``num_landmarks`` when given (a row with more landmarks is an error, checked where the values can be
     read: not inside a compiled graph, where the extra landmarks are dropped), else the largest count in the batch.
     With ``num_landmarks`` given this traces under ``torch.compile(fullgraph=True)`` and runs on meta tensors;
-    without it the output shape depends on the data, which needs the values.
+    without it the output shape depends on the data, which needs the values: ``torch.compile`` then breaks the
+    graph to count them (``fullgraph=True`` refuses, saying to pass ``num_landmarks``).
 
     With ``cu_seqlens`` (a packed batch), the mask is ``[T]`` and positions count from each text's start.
     """
@@ -168,8 +169,14 @@ def _positions(op: str, landmark_mask: Tensor, num_landmarks: int | None, cu_seq
         rank = landmark_mask.cumsum(1) - 1
         text = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq_len)
         offset = torch.arange(seq_len, device=device).expand(batch, seq_len)
+    dynamo = torch.compiler.is_dynamo_compiling()
+    if num_landmarks is None and dynamo:
+        # K depends on the mask's values: under torch.compile the graph ends here and the count below is read
+        # outside it, as in eager; with fullgraph=True compilation stops here, with this message.
+        torch._dynamo.graph_break(msg=f"lmk_ops.{op}: the width K of the positions depends on the landmark mask's values; "
+                                  "pass num_landmarks to keep the call in one graph")
     if num_landmarks is None or _values_known(landmark_mask):
-        if not _values_known(landmark_mask):
+        if not (_values_known(landmark_mask) or dynamo):
             fail(op, "expected num_landmarks where the mask's values cannot be read (meta or fake tensors, "
                      "torch.compile, torch.vmap): the output's width K depends on them")
         most = int(counts.max()) if batch else 0

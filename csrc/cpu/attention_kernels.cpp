@@ -471,6 +471,16 @@ struct SoftmaxReducer {
 
   void step(const RowGroup<scalar_t>& g, int64_t stride, int64_t /*n*/) {
     const int k = g.k;
+    // Where the rows of the group after next (g.ahead) are prefetched: for a whole group of contiguous rows of wide
+    // heads scored one at a time, the first kScoredAhead of them while the group is scored and the others while it
+    // is summed (add_rows), so that the requests are spread over the group's work rather than bunched in its first
+    // pass. Zen 3 (AVX2), 2 threads, 1x32768x1024, four rounds in alternating processes, time over
+    // hidden.sum()'s: one head of bfloat16 1.54-1.57x -> 1.35-1.41x, of float32 1.43-1.56x -> 1.41-1.47x; at
+    // 32x512x768 unchanged within the noise. Narrow heads keep every prefetch in the score pass: split, 12 heads of
+    // 64 at 32x512x768 took about a tenth longer (bfloat16 1.36-1.43 -> 1.53-1.58 ms), 16 at 1x32768x1024 no less.
+    // All of them in the sums was slower for every case.
+    const bool split_ahead =
+        stride == 1 && k == kRowGroup && head_dim > kNarrowHeadDim && !shares_query_loads(stride);
     // The group's scores (each row read once, front to back; kScoreRows rows at a time where shares_query_loads):
     // s[r * heads + h].
     int r = 0;
@@ -482,7 +492,7 @@ struct SoftmaxReducer {
     }
     for (; r < k; ++r) {
       row_scores(g.rows[r], stride, query, heads, head_dim, scale, pairs, group_scores + r * heads,
-                 stride == 1 ? g.ahead[r] : nullptr);
+                 stride == 1 && (!split_ahead || r < kScoredAhead) ? g.ahead[r] : nullptr);
     }
     if (scores != nullptr) {
       for (r = 0; r < k; ++r) {
@@ -539,18 +549,47 @@ struct SoftmaxReducer {
         total[h] += group_scores[r * heads + h];
       }
     }
-    for (h = 0; h < heads; ++h) {
-      acc p[kRowGroup];
-      const scalar_t* x[kRowGroup];
-      for (int r = 0; r < k; ++r) {
-        p[r] = group_scores[r * heads + h];
-        x[r] = g.rows[r] + h * head_dim * stride;
+    // Each head's slices of the group's rows added with their weights; one loop over the heads for each way of
+    // prefetching, so that the common one (narrow heads) carries nothing of the other.
+    const auto add_heads = [&](auto with_ahead) __attribute__((always_inline)) {
+      constexpr bool kAhead = decltype(with_ahead)::value;
+      for (int64_t head = 0; head < heads; ++head) {
+        acc p[kRowGroup];
+        const scalar_t* x[kRowGroup];
+        const scalar_t* ahead[kRowGroup] = {};
+        for (int r = 0; r < k; ++r) {
+          p[r] = group_scores[r * heads + head];
+          x[r] = g.rows[r] + head * head_dim * stride;
+          if constexpr (kAhead) {
+            ahead[r] = r >= kScoredAhead ? g.ahead[r] + head * head_dim : nullptr;
+          }
+        }
+        add_rows<kAhead>(weighted + head * head_dim, p, x, k, stride, ahead);
       }
-      add_rows(weighted + h * head_dim, p, x, k, stride);
+    };
+    if (split_ahead) {
+      add_heads(std::true_type());
+    } else {
+      add_heads(std::false_type());
     }
     chunk_rows += k;
     if (chunk_rows >= kFoldRows) {
       fold();
+    }
+  }
+
+  // The rows of the group after next whose prefetches go with the score pass (step()).
+  static constexpr int kScoredAhead = 2;
+
+  // Prefetches into L1 the line at ahead[r] + i of each row r that has one, where feature i starts a line.
+  [[gnu::always_inline]] static void prefetch_ahead(const scalar_t* const* ahead, int64_t i) {
+    constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(scalar_t));
+    if (i % kLine == 0) {
+      for (int r = 0; r < kRowGroup; ++r) {
+        if (ahead[r] != nullptr) {
+          __builtin_prefetch(ahead[r] + i, 0, 3);
+        }
+      }
     }
   }
 
@@ -629,11 +668,14 @@ struct SoftmaxReducer {
   // fused multiply-add per row into w cost kFoldRows (8 ulp against a float64 oracle on a constant column, 2 now).
   // Always inlined into step()'s loop over heads: as a call per head, its set-up and the reloads of the row pointers
   // cost a 64-feature head about a tenth of its time (Zen 5, one thread, 4096 x 1024 in L3, 16 heads of bfloat16:
-  // AVX2 110 -> 97-101 ns a row, AVX-512 86-91 -> 81-83).
-  [[gnu::always_inline]] void add_rows(acc* w, const acc* p, const scalar_t* const* x, int k, int64_t stride) const {
+  // AVX2 110 -> 97-101 ns a row, AVX-512 86-91 -> 81-83). With kAhead, a whole group of contiguous rows also
+  // prefetches the rows `ahead` (null: none) at the head's features as it reads its own.
+  template <bool kAhead>
+  [[gnu::always_inline]] void add_rows(acc* w, const acc* p, const scalar_t* const* x, int k, int64_t stride,
+                                       const scalar_t* const* ahead) const {
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
       if (pairs) {
-        add_rows_pairs(w, p, x, k);
+        add_rows_pairs<kAhead>(w, p, x, k, ahead);
         return;
       }
     }
@@ -642,6 +684,9 @@ struct SoftmaxReducer {
       static_assert(kRowGroup == 4);
       const V p0(p[0]), p1(p[1]), p2(p[2]), p3(p[3]);
       for (; i + V::size() <= head_dim; i += V::size()) {
+        if constexpr (kAhead) {
+          prefetch_ahead(ahead, i);
+        }
         const V a = fmadd(p1, load_widened(x[1] + i), p0 * load_widened(x[0] + i));
         const V b = fmadd(p3, load_widened(x[3] + i), p2 * load_widened(x[2] + i));
         (V::loadu(w + i) + (a + b)).store(w + i);
@@ -668,12 +713,17 @@ struct SoftmaxReducer {
   }
 
   // add_rows for bfloat16 rows with w in pair order.
-  [[gnu::always_inline]] void add_rows_pairs(float* w, const float* p, const c10::BFloat16* const* x, int k) const {
+  template <bool kAhead>
+  [[gnu::always_inline]] void add_rows_pairs(float* w, const float* p, const c10::BFloat16* const* x, int k,
+                                             const c10::BFloat16* const* ahead) const {
     constexpr int64_t kHalf = kPairBlock / 2;
     if (k == kRowGroup) {  // the common case, unrolled as in add_rows (the same operations in the same order)
       static_assert(kRowGroup == 4);
       const V p0(p[0]), p1(p[1]), p2(p[2]), p3(p[3]);
       for (int64_t i = 0; i < head_dim; i += kPairBlock) {
+        if constexpr (kAhead) {
+          prefetch_ahead(ahead, i);
+        }
         const Pairs v0 = load_pairs(x[0] + i), v1 = load_pairs(x[1] + i), v2 = load_pairs(x[2] + i),
                     v3 = load_pairs(x[3] + i);
         const V even = fmadd(p1, v1.even, p0 * v0.even) + fmadd(p3, v3.even, p2 * v2.even);

@@ -581,14 +581,11 @@ struct SoftmaxReducer {
   // The rows of the group after next whose prefetches go with the score pass (step()).
   static constexpr int kScoredAhead = 2;
 
-  // Prefetches into L1 the line at ahead[r] + i of each row r that has one, where feature i starts a line.
+  // prefetch_line() of each row r that has one, ahead[r].
   [[gnu::always_inline]] static void prefetch_ahead(const scalar_t* const* ahead, int64_t i) {
-    constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(scalar_t));
-    if (i % kLine == 0) {
-      for (int r = 0; r < kRowGroup; ++r) {
-        if (ahead[r] != nullptr) {
-          __builtin_prefetch(ahead[r] + i, 0, 3);
-        }
+    for (int r = 0; r < kRowGroup; ++r) {
+      if (ahead[r] != nullptr) {
+        prefetch_line(ahead[r], i);
       }
     }
   }

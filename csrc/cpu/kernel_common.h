@@ -194,6 +194,15 @@ void for_each_text(const RowList& list, int64_t batch, int64_t dim, int64_t unit
 // padding or the batch.
 constexpr int kRowGroup = 4;
 
+// Prefetches into L1 the cache line at ahead + i where feature i starts one (contiguous rows: the mean's and the
+// maximum's rows ahead, attention's). Always inlined: as a call, GCC can find it free of side effects and delete it.
+template <typename scalar_t>
+[[gnu::always_inline]] inline void prefetch_line(const scalar_t* ahead, int64_t i) {
+  if ((i & (64 / static_cast<int64_t>(sizeof(scalar_t)) - 1)) == 0) {
+    __builtin_prefetch(ahead + i, 0, 3);
+  }
+}
+
 // A group of selected rows as a reducer's step() takes it: the k row pointers, their positions, and the rows of
 // the group after the next (`ahead`, the group's own rows where none follow), which step() prefetches line by line
 // as it reads its own (attention's SoftmaxReducer::step). (Two groups on rather than one: attention over bfloat16

@@ -56,15 +56,6 @@ constexpr int kFoldRows = 8;
 // well, one and four worse, prefetcht2 (into L2) worse on one thread.
 constexpr int64_t kPrefetchRows = 3;
 
-// Prefetches into L1 the cache line at ahead + i where feature i starts one (contiguous rows). Always inlined: as
-// a call, GCC can find it free of side effects and delete it.
-template <typename scalar_t>
-[[gnu::always_inline]] inline void prefetch_line(const scalar_t* ahead, int64_t i) {
-  if ((i & (64 / static_cast<int64_t>(sizeof(scalar_t)) - 1)) == 0) {
-    __builtin_prefetch(ahead + i, 0, 3);
-  }
-}
-
 // Calls step(i) for i = *at, *at + kStep, ... while kStep features fit in n (a vector's, a pair block's, a key
 // vector's), prefetching each line of `ahead` as prefetch_line() does, and leaves *at past the last. The whole lines
 // of a contiguous row go a line per round (one prefetch, then the line's steps, unrolled) rather than a test and a

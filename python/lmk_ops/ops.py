@@ -173,10 +173,11 @@ def _positions(op: str, landmark_mask: Tensor, num_landmarks: int | None, cu_seq
     if num_landmarks is None and dynamo:
         # K depends on the mask's values: under torch.compile the graph ends here and the count below is read
         # outside it, as in eager; with fullgraph=True compilation stops here, with this message.
-        torch._dynamo.graph_break(msg=f"lmk_ops.{op}: the width K of the positions depends on the landmark mask's values; "
-                                  "pass num_landmarks to keep the call in one graph")
-    if num_landmarks is None or _values_known(landmark_mask):
-        if not (_values_known(landmark_mask) or dynamo):
+        torch._dynamo.graph_break(msg=f"lmk_ops.{op}: the width K of the positions depends on the landmark mask's "
+                                      "values; pass num_landmarks to keep the call in one graph")
+    known = _values_known(landmark_mask)
+    if num_landmarks is None or known:
+        if not (known or dynamo):
             fail(op, "expected num_landmarks where the mask's values cannot be read (meta or fake tensors, "
                      "torch.compile, torch.vmap): the output's width K depends on them")
         most = int(counts.max()) if batch else 0

@@ -17,15 +17,16 @@ from lmk_ops import bench
 def test_report_writes_a_clean_table_and_its_json(tmp_path, capsys):
     path = tmp_path / "report.json"
     assert bench.main(["--shapes", "2x16x64", "--ops", "mean_pool,max_pool", "--dtype", "float32",
-                       "--packed", "3x2-9x64", "--json", str(path)]) in (0, None)
+                       "--packed", "3x2-9x64,2x1-4x64", "--json", str(path)]) in (0, None)
     out, err = capsys.readouterr()
     assert "\r" not in out and "[1/" in err  # progress only on stderr
     report = json.loads(path.read_text())
     assert {(r["op"], r["mode"]) for r in report["rows"]} == {
         (op, mode) for op in ("mean_pool", "max_pool") for mode in ("forward", "forward+backward")}
     assert all(r["x_floor"] > 0 for r in report["rows"] if r["mode"] == "forward")
-    packed = {(r["op"], r["dtype"]) for r in report["packed_rows"]}
-    assert packed == {("mean_pool", "float32"), ("max_pool", "float32")}
+    packed = [(r["op"], r["dtype"], r["batch"].split(",")[0]) for r in report["packed_rows"]]  # each op, each batch
+    assert sorted(packed) == sorted((op, "float32", batch) for op in ("mean_pool", "max_pool")
+                                    for batch in ("3 texts", "2 texts")), packed
     assert all(r["lmk_ops_ms"] > 0 and r["padded_ms"] > 0 and r["floor_ms"] > 0 for r in report["packed_rows"])
     for line in out.splitlines():
         if line.startswith(("mean_pool", "max_pool")):

@@ -862,3 +862,28 @@ pool_all(peak_resident)
 """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("offsets", [[0, 4, 12], [0, 6, 4], [0, 4, 9], [0, -3, 10]])
+@pytest.mark.parametrize("name", ["mean_pool_backward", "landmark_mean_backward", "attention_pool_backward"])
+def test_backward_ops_called_with_offsets_that_do_not_cover_the_rows_raise(name, offsets):
+    """The backward ops trust the cu_seqlens autograd hands them (the forward checked them), but a direct call may pass
+    offsets whose texts do not cover the T rows. A negative text length once corrupted the heap (torch's
+    repeat_interleave given output_size writes out of bounds for a negative repeat); now the CPU lists each row's
+    text in one loop that checks the lengths, and the composed (CUDA, CPU-twin) path clamps them."""
+    tokens, dim = 10, 8
+    hidden, query, grad = torch.randn(tokens, dim), torch.randn(dim), torch.randn(2, dim)
+    good = torch.tensor([0, 4, 10], dtype=torch.int32)
+    out, stats, _ = torch.ops.lmk_ops.attention_pool(hidden, None, query, None, False, good, None)
+    bad = torch.tensor(offsets, dtype=torch.int32)
+    calls = {
+        "mean_pool_backward": lambda: torch.ops.lmk_ops.mean_pool_backward(grad, None, tokens, None, bad),
+        "landmark_mean_backward": lambda: torch.ops.lmk_ops.landmark_mean_backward(
+            grad, torch.tensor([[1, 3], [0, 2]]), tokens, None, bad),
+        "attention_pool_backward": lambda: torch.ops.lmk_ops.attention_pool_backward(
+            grad, None, hidden, None, query, out, stats, None, bad, None),
+    }
+    message = "" if lmk_ops.build_info()["cpu_twin"] else (
+        rf"lmk_ops\.{name}: expected cu_seqlens whose texts cover the T = 10 rows")
+    with pytest.raises(RuntimeError, match=message):
+        calls[name]()

@@ -29,17 +29,18 @@ struct RowSelection {
 };
 
 // The rows attention pooling reads and writes. Padded: listed.mask is the valid mask [B, L] (undefined: every row),
-// valid the same, text_of_row undefined. Packed (hidden a [B, T, D] view with batch stride 0, common/packed.h):
-// listed.positions lists each text's valid rows as absolute rows, valid marks the valid rows [T] (undefined: all),
-// text_of_row [T] (int64) names each row's text, and the per-row tensors (weights [H, T], grad_weights [H, T],
-// grad_hidden [T, D]) have no batch dimension.
+// valid the same. Packed (hidden a [B, T, D] view with batch stride 0, common/packed.h): listed lists each text's
+// valid rows as absolute rows, valid marks the valid rows [T] (undefined: all), and the per-row tensors (weights
+// [H, T], grad_weights [H, T], grad_hidden [T, D]) have no batch dimension; for the backward, text_of_row [T]
+// (int64) names each row's text (the forward does not read it, so it is not built there).
 struct AttentionRows {
   RowSelection listed;
   Tensor valid;
+  bool packed_batch = false;
   Tensor text_of_row;
 
   bool packed() const {
-    return text_of_row.defined();
+    return packed_batch;
   }
 };
 

@@ -28,12 +28,13 @@ struct PackedBatch {
 
   // hidden [T, D] as [B, T, D] with batch stride 0: the input of the padded kernels for absolute row lists.
   Tensor batch_view(const Tensor& hidden) const;
-  // The text of each row [T] (int64), with no host synchronisation.
-  Tensor text_of_rows() const;
+  // The text of each row [T] (int64), with no host synchronisation (errors name op).
+  Tensor text_of_rows(const char* op) const;
   // Positions counted from each text's start ([B, K], -1 padded) as absolute rows of hidden; -1 stays -1.
   Tensor absolute(const Tensor& positions) const;
-  // Absolute rows of hidden ([B, K] int32 or int64, -1 padded) counted from each text's start again, in their dtype.
-  Tensor relative(const Tensor& rows) const;
+  // Absolute rows of hidden ([B, K] int32 or int64, -1 padded) counted from each text's start again, in their
+  // dtype. rows must be the caller's own (a kernel's fresh output): on the CPU it is rewritten in place.
+  Tensor relative(Tensor rows) const;
   // The rows the forward kernels reduce, for the [B, T, D] batch view: where selected [T] (bool) is true, every row
   // of each text when it is undefined; as runs with selected as their mask (kernel_types.h), which the kernels list
   // in as many entries as rows are selected.

@@ -80,7 +80,8 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
 Tensor where(const Tensor& cond, const Tensor& a, int64_t b);
 // 0, 1, ..., n - 1 as int64 on like's device.
 Tensor arange_on(const Tensor& like, int64_t n);
-// Each row's text, [rows] int64: text b repeated lengths[b] times (lengths int64 [B], summing to rows).
-Tensor text_of_rows(const Tensor& lengths, int64_t rows);
+// Each row's text, [rows] int64: text b repeated lengths[b] times (lengths int64 [B], summing to rows; on the CPU,
+// lengths that do not are an error naming op).
+Tensor text_of_rows(const Tensor& lengths, int64_t rows, const char* op);
 
 }  // namespace lmk_ops

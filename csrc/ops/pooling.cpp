@@ -167,12 +167,12 @@ Tensor mean_of_rows_backward(const Tensor& grad, const RowSelection& rows, int64
   return grad_hidden;
 }
 
-Tensor packed_mean_backward(const Tensor& grad, const PackedBatch& packed, const Tensor& times, const Tensor& count,
-                            std::optional<ScalarType> dtype) {
+Tensor packed_mean_backward(const char* op, const Tensor& grad, const PackedBatch& packed, const Tensor& times,
+                            const Tensor& count, std::optional<ScalarType> dtype) {
   const ScalarType out_type = dtype.value_or(grad.scalar_type());
   const Tensor scaled =
       div(to_dtype(grad, acc_dtype(out_type)), torch::stable::unsqueeze(clamp_min(count, 1), 1));
-  Tensor rows = index_select(scaled, 0, packed.text_of_rows());
+  Tensor rows = index_select(scaled, 0, packed.text_of_rows(op));
   if (times.defined() && times.scalar_type() != ScalarType::Bool) {
     rows = mul(rows, torch::stable::unsqueeze(times, 1));  // a row listed n times: grad * n / count, rounded once,
   }                                                        // as the padded kernels

@@ -28,8 +28,9 @@ Tensor mean_of_rows_backward(
 // The gradient of a packed batch's mean, [T, D] in dtype: row t of text b gets grad[b] * times[t] / count[b]
 // (times undefined: every row once; bool or int64 [T]: how often row t is selected, counted in count [B]), computed
 // and rounded exactly as mean_of_rows_backward does for the padded batch, so that a text gets the same bits.
-Tensor packed_mean_backward(const Tensor& grad, const PackedBatch& packed, const Tensor& times,
-                                const Tensor& count, std::optional<ScalarType> dtype);
+// Errors name op.
+Tensor packed_mean_backward(const char* op, const Tensor& grad, const PackedBatch& packed, const Tensor& times,
+                            const Tensor& count, std::optional<ScalarType> dtype);
 
 // How often each row of a packed batch is listed in absolute positions [B, K] (-1 padded): int64 [T].
 Tensor times_listed(const Tensor& positions, int64_t tokens);

@@ -48,9 +48,10 @@ std::tuple<Tensor, Tensor> find_rows(const Tensor& valid, const Tensor& starts, 
     // The smallest (largest) valid row of each text: rows of other texts and invalid rows are out of the running.
     const int64_t none = last ? -1 : rows;
     const Tensor candidates = where(valid, arange_on(starts, rows), none);
+    const Tensor text = text_of_rows(lengths, rows, last ? "last_token_pool" : "first_token_pool");
     found = aten("aten::scatter_reduce", "two", full_on(starts, {starts.size(0)}, static_cast<double>(none),
                                                         ScalarType::Long),
-                 int64_t{0}, text_of_rows(lengths, rows), candidates, std::string(last ? "amax" : "amin"), true);
+                 int64_t{0}, text, candidates, std::string(last ? "amax" : "amin"), true);
     found = where(ne(found, none), found, -1);
   }
   const auto column = [](const Tensor& t) { return torch::stable::unsqueeze(t, 1); };

@@ -40,9 +40,10 @@ ATTENTION_ENTRIES = {
 REPORT_OPS = [*OPS, *LANDMARK_ENTRIES, *ATTENTION_ENTRIES, "first_token_pool", "insert_landmarks"]
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 DEFAULT_SHAPES = "32x512x768,8x4096x1024,1x32768x1024"  # the last: one long text
-# Packed (cu_seqlens) rows: a batch of B texts of mixed lengths (drawn uniformly from [lo, hi], seeded) and width D,
-# written BxLO-HIxD.
-DEFAULT_PACKED = "120x16-2048x768"
+# Packed (cu_seqlens) rows: batches of B texts of mixed lengths (drawn uniformly from [lo, hi], seeded) and width D,
+# written BxLO-HIxD: one of long and short texts, and a small one of short texts as a server packs a few queries
+# (where a call's fixed costs, not its reads, decide packed against padded).
+DEFAULT_PACKED = "120x16-2048x768,32x16-128x768"
 PACKED_OPS = ["mean_pool", "max_pool", "landmark_mean@32", "first_token_pool", "attention_pool@1h"]
 
 
@@ -394,16 +395,18 @@ def format_packed_row(r: PackedRow) -> str:
             f"{r.vs_padded:8.2f}x")
 
 
-def parse_packed(text: str):
-    """BxLO-HIxD, e.g. 120x16-2048x768 (or "none")."""
-    if text == "none":
-        return None
+def parse_packed(text: str) -> list:
+    """Comma-separated BxLO-HIxD batches, e.g. 120x16-2048x768,32x16-128x768 (or "none": no packed rows)."""
+    return [] if text == "none" else [_packed_batch(spec) for spec in text.split(",")]
+
+
+def _packed_batch(text: str):
     parts = text.lower().split("x")
     span = parts[1].split("-") if len(parts) == 3 else []
     if (len(span) != 2 or not all(p.isdigit() for p in [parts[0], *span, parts[2]]) or int(span[0]) > int(span[1])
             or min(int(parts[0]), int(span[1]), int(parts[2])) < 1):  # texts may be empty, not all of them
         raise argparse.ArgumentTypeError(f"expected a packed batch like 120x16-2048x768 (B, the longest text and D "
-                                         f">= 1; or none), got {text!r}")
+                                         f">= 1; several separated by commas; or none), got {text!r}")
     return int(parts[0]), (int(span[0]), int(span[1])), int(parts[2])
 
 
@@ -467,8 +470,8 @@ def main(argv=None) -> int:
     parser.add_argument("--padding", type=float, default=0.0,
                         help="share of each sequence that is padding, masked out (default 0: every token valid)")
     parser.add_argument("--packed", type=parse_packed, default=parse_packed(DEFAULT_PACKED),
-                        help=f"the packed batch of the packed rows, BxLO-HIxD (default {DEFAULT_PACKED}; none: no "
-                             "packed rows)")
+                        help=f"the packed batches of the packed rows, comma-separated BxLO-HIxD (default "
+                             f"{DEFAULT_PACKED}; none: no packed rows)")
     parser.add_argument("--json", metavar="PATH", help="also write the results and the machine's details here")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -509,15 +512,15 @@ def main(argv=None) -> int:
             print(format_row(row), flush=True)
         torch._dynamo.reset()  # keep compiled graphs of finished cases from piling up
     packed_rows = []
-    packed_cases = [(op, dt) for op in PACKED_OPS if op in args.ops for dt in args.dtype] if args.packed else []
+    packed_cases = [(op, dt, spec) for spec in args.packed for op in PACKED_OPS if op in args.ops for dt in args.dtype]
     if packed_cases:
         print("\npacked batches (cu_seqlens): 'padded' = lmk_ops on the same texts padded; seg_red, idx_add, idx_f32 ="
               " torch.segment_reduce, index_add in hidden's dtype, index_add in float32 (lmk_ops.reference); 'vs "
               "best' = fastest of those / lmk_ops\n")
         print(PACKED_HEADER, flush=True)
-    for i, (op, dt) in enumerate(packed_cases, 1):
+    for i, (op, dt, spec) in enumerate(packed_cases, 1):
         print(f"  [packed {i}/{len(packed_cases)}] {op} {dt} ...", end="\r", file=sys.stderr, flush=True)
-        packed_rows.append(bench_packed(op, dt, args.packed, args.device))
+        packed_rows.append(bench_packed(op, dt, spec, args.device))
         print(format_packed_row(packed_rows[-1]), flush=True)
     print(f"\n{len(cases) + len(packed_cases)} cases in {time.perf_counter() - started:.0f} s")
 

@@ -76,8 +76,7 @@ Tensor PackedBatch::absolute(const Tensor& positions) const {
 
 Tensor PackedBatch::relative(Tensor rows) const {
   // One loop, text by text, in place: a max_pool's [B, D] positions through three ATen ops cost 5% of its time,
-  // and a copy and a division per entry cost 60-80% of a packed max_pool of 8-32 short texts more than the
-  // padded one's.
+  // and with a copy and a division per entry a packed max_pool of 8-32 short texts took 1.5-1.9x the padded one's.
   if (takes_host_path(rows) && rows.is_contiguous()) {
     const int64_t* s = starts.const_data_ptr<int64_t>();
     const int64_t width = rows.size(1);  // read once: a call into libtorch each

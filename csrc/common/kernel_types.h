@@ -36,11 +36,10 @@ struct RowSelection {
 struct AttentionRows {
   RowSelection listed;
   Tensor valid;
-  bool packed_batch = false;
   Tensor text_of_row;
 
   bool packed() const {
-    return packed_batch;
+    return listed.starts.defined();  // a packed batch's texts are runs of rows (PackedBatch::selection)
   }
 };
 

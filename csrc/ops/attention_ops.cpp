@@ -20,11 +20,11 @@ Tensor wide_query(const Tensor& query, const Heads& heads, ScalarType acc) {
 // The rows the attention kernels take: a padded batch's valid mask, or a packed batch's lists (with each row's
 // text for the backward op, backward_op; null for the forward).
 AttentionRows padded_rows(const Tensor& valid) {
-  return {{valid, Tensor()}, valid, false, Tensor()};
+  return {{valid, Tensor()}, valid, Tensor()};
 }
 
 AttentionRows packed_rows(const PackedBatch& packed, const Tensor& valid, const char* backward_op) {
-  return {packed.selection(valid), valid, true, backward_op != nullptr ? packed.text_of_rows(backward_op) : Tensor()};
+  return {packed.selection(valid), valid, backward_op != nullptr ? packed.text_of_rows(backward_op) : Tensor()};
 }
 
 std::tuple<Tensor, Tensor, Tensor> attention_forward(const Tensor& hidden, const AttentionRows& rows,

@@ -16,9 +16,9 @@ namespace {
 // Each text's first (or last) valid row, as [B, 1] columns: an absolute row number of its span [start, start +
 // length), and a position from the text's start; -1 for a text with none. valid: bool over the rows (undefined:
 // every row). On the CPU one scan that stops at the first hit (the usual text starts with a valid token); elsewhere
-// ATen reductions, which never synchronise.
-std::tuple<Tensor, Tensor> find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t rows,
-                                     bool last) {
+// ATen reductions, which never synchronise. Errors name op.
+std::tuple<Tensor, Tensor> find_rows(const char* op, const Tensor& valid, const Tensor& starts, const Tensor& lengths,
+                                     int64_t rows, bool last) {
   if (takes_host_path(starts)) {
     const int64_t batch = starts.size(0);
     Tensor found = empty_on(starts, {batch, 1}, ScalarType::Long);
@@ -48,10 +48,9 @@ std::tuple<Tensor, Tensor> find_rows(const Tensor& valid, const Tensor& starts, 
     // The smallest (largest) valid row of each text: rows of other texts and invalid rows are out of the running.
     const int64_t none = last ? -1 : rows;
     const Tensor candidates = where(valid, arange_on(starts, rows), none);
-    const Tensor text = text_of_rows(lengths, rows, last ? "last_token_pool" : "first_token_pool");
     found = aten("aten::scatter_reduce", "two", full_on(starts, {starts.size(0)}, static_cast<double>(none),
                                                         ScalarType::Long),
-                 int64_t{0}, text, candidates, std::string(last ? "amax" : "amin"), true);
+                 int64_t{0}, text_of_rows(lengths, rows, op), candidates, std::string(last ? "amax" : "amin"), true);
     found = where(ne(found, none), found, -1);
   }
   const auto column = [](const Tensor& t) { return torch::stable::unsqueeze(t, 1); };
@@ -80,7 +79,7 @@ std::tuple<Tensor, Tensor> token_pool(const Tensor& hidden, const std::optional<
   if (cu_seqlens.has_value()) {
     const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen);
     const Tensor valid = prepare_packed_mask(op, mask, packed, hidden);
-    std::tie(rows, positions) = find_rows(valid, packed.starts, packed.lengths, hidden.size(0), last);
+    std::tie(rows, positions) = find_rows(op, valid, packed.starts, packed.lengths, hidden.size(0), last);
     view = packed.batch_view(hidden);
   } else {
     check_hidden(op, hidden, max_seqlen);
@@ -88,7 +87,7 @@ std::tuple<Tensor, Tensor> token_pool(const Tensor& hidden, const std::optional<
     const Tensor valid = prepare_mask(op, mask, batch, seq_len, hidden);
     // The padded batch as texts of L rows each, one after another.
     const auto [starts, lengths] = padded_spans(hidden, batch, seq_len);
-    std::tie(rows, positions) = find_rows(valid.defined() ? torch::stable::view(valid, {batch * seq_len}) : valid,
+    std::tie(rows, positions) = find_rows(op, valid.defined() ? torch::stable::view(valid, {batch * seq_len}) : valid,
                                           starts, lengths, batch * seq_len, last);
     rows = positions;  // the gather reads positions of each text
     view = hidden;

@@ -441,7 +441,8 @@ def test_num_landmarks_makes_positions_and_gather_traceable():
     assert meta.shape == (2, 3) and meta.device.type == "meta"
     with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_positions: expected num_landmarks where"):
         lmk_ops.landmark_positions(mask.to("meta"))
-    with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_positions: expected num_landmarks as an int >= 0"):
+    with pytest.raises(RuntimeError,
+                       match=r"^lmk_ops\.landmark_positions: expected num_landmarks as an int in \[0, 2\*\*63\)"):
         lmk_ops.landmark_positions(mask, -1)
 
 
@@ -527,10 +528,10 @@ def test_insert_landmarks_takes_integer_intervals_only():
     with pytest.raises(ValueError, match=r"^lmk_ops\.insert_landmarks: expected per-row intervals as an integer "
                                          r"tensor, got torch\.float32"):
         lmk_ops.insert_landmarks(ids, landmark_id=9, interval=torch.tensor([1.5]))
-    with pytest.raises(ValueError, match=r"^lmk_ops\.insert_landmarks: expected interval >= 1"):
+    with pytest.raises(ValueError, match=r"^lmk_ops\.insert_landmarks: expected interval as an int in \[1, 2\*\*63\)"):
         lmk_ops.insert_landmarks(ids, landmark_id=9, interval=2.5)
     with pytest.raises(ValueError, match=r"^lmk_ops\.sample_intervals: expected a non-empty list of integer "
-                                         r"intervals >= 1, got \[1\.5, 2\.7\]"):
+                                         r"intervals in \[1, 2\*\*63\), got \[1\.5, 2\.7\]"):
         lmk_ops.sample_intervals(2, (1.5, 2.7))
 
 
@@ -549,13 +550,13 @@ def test_an_all_padding_row_stays_empty_and_pools_to_zeros():
 # (call, expected message after "lmk_ops.<name>: ")
 UNCLEAR = [
     (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=-1),
-     r"insert_landmarks: expected landmark_id as a token id >= 0, got -1"),
+     r"insert_landmarks: expected landmark_id as a token id \(an int in \[0, 2\*\*63\)\), got -1"),
     (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=9, pad_id=-100),
-     r"insert_landmarks: expected pad_id as a token id >= 0, got -100"),
+     r"insert_landmarks: expected pad_id as a token id \(an int in \[0, 2\*\*63\)\), got -100"),
     (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=9, max_length=4.0),
-     r"insert_landmarks: expected max_length as an int >= 1 or None, got 4\.0"),
+     r"insert_landmarks: expected max_length as an int in \[1, 2\*\*63\) or None, got 4\.0"),
     (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=9, num_leading=1.0),
-     r"insert_landmarks: expected num_leading as an int >= 0, got 1\.0"),
+     r"insert_landmarks: expected num_leading as an int in \[0, 2\*\*63\), got 1\.0"),
     (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]], dtype=torch.uint8), landmark_id=30522),
      r"insert_landmarks: expected landmark_id representable in input_ids' dtype torch\.uint8 \(\[0, 255\]\), got "
      r"30522"),
@@ -567,7 +568,7 @@ UNCLEAR = [
     (lambda: lmk_ops.mean_pool(torch.quantize_per_tensor(torch.randn(2, 3, 4), 0.1, 0, torch.qint8)),
      r"mean_pool: expected hidden of dtype float16, bfloat16, float32 or float64, got a quantized tensor"),
     (lambda: lmk_ops.landmark_positions(torch.ones(2, 3, dtype=torch.bool), -1),
-     r"landmark_positions: expected num_landmarks as an int >= 0 \(or None\), got -1"),
+     r"landmark_positions: expected num_landmarks as an int in \[0, 2\*\*63\) \(or None\), got -1"),
     (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=9).to(torch.float16),
      r"LandmarkBatch\.to: expected a device, got the dtype torch\.float16"),
     (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=9).packed().to("nonsense"),
@@ -578,10 +579,10 @@ UNCLEAR = [
     (lambda: lmk_ops.max_pool(torch.randn(5, 4), cu_seqlens=[0, 2, 5]),
      r"max_pool: expected cu_seqlens to be a tensor or None, got list"),
     (lambda: lmk_ops.mean_pool(torch.randn(5, 4), cu_seqlens=torch.tensor([0, 2, 5]), max_seqlen=3.0),
-     r"mean_pool: expected max_seqlen as an int >= 0 \(or None\), got 3\.0"),
+     r"mean_pool: expected max_seqlen as an int in \[0, 2\*\*63\) \(or None\), got 3\.0"),
     (lambda: lmk_ops.landmark_gather(torch.randn(5, 4), torch.tensor([[0], [1]]), cu_seqlens=torch.tensor([0, 2, 5]),
                                      max_seqlen=torch.tensor(3)),
-     r"landmark_gather: expected max_seqlen as an int >= 0 \(or None\), got tensor\(3\)"),
+     r"landmark_gather: expected max_seqlen as an int in \[0, 2\*\*63\) \(or None\), got tensor\(3\)"),
     (lambda: lmk_ops.attention_pool(torch.randn(2, 3, 4), None, None),
      r"attention_pool: expected query to be a tensor, got None"),
     (lambda: lmk_ops.attention_pool(torch.randn(2, 3, 4), None, torch.randn(4), scale="0.5"),
@@ -637,6 +638,29 @@ UNCLEAR = [
     # "no" was taken for True (packed); the flag is checked before the tokenizer is used.
     (lambda: lmk_ops.hf.tokenize_with_landmarks(None, "a text", packed="no"),
      r"hf\.tokenize_with_landmarks: expected packed as a bool, got 'no'"),
+    # Integers past int64 went on to the dispatcher or to tensor constructors and came back as their messages
+    # ("Expected a value of type 'Optional[int]'", "value cannot be converted to type int64_t", "Overflow when
+    # unpacking long long").
+    (lambda: lmk_ops.mean_pool(torch.randn(5, 4), cu_seqlens=torch.tensor([0, 2, 5]), max_seqlen=2**63),
+     r"mean_pool: expected max_seqlen as an int in \[0, 2\*\*63\) \(or None\), got 9223372036854775808"),
+    (lambda: lmk_ops.attention_pool(torch.randn(5, 4), None, torch.randn(4), cu_seqlens=torch.tensor([0, 2, 5]),
+                                    max_seqlen=2**64),
+     r"attention_pool: expected max_seqlen as an int in \[0, 2\*\*63\) \(or None\), got 18446744073709551616"),
+    (lambda: lmk_ops.landmark_positions(torch.ones(2, 3, dtype=torch.bool), 2**63),
+     r"landmark_positions: expected num_landmarks as an int in \[0, 2\*\*63\) \(or None\), got 9223372036854775808"),
+    (lambda: lmk_ops.landmark_gather(torch.randn(2, 3, 4), torch.ones(2, 3, dtype=torch.bool), num_landmarks=2**64),
+     r"landmark_gather: expected num_landmarks as an int in \[0, 2\*\*63\) \(or None\), got 18446744073709551616"),
+    (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=9, interval=2**63),
+     r"insert_landmarks: expected interval as an int in \[1, 2\*\*63\), or a \[B\] integer tensor per row, got "
+     r"9223372036854775808"),
+    (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=9, num_trailing=2**63),
+     r"insert_landmarks: expected num_trailing as an int in \[0, 2\*\*63\), got 9223372036854775808"),
+    (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=9, max_length=2**64),
+     r"insert_landmarks: expected max_length as an int in \[1, 2\*\*63\) or None, got 18446744073709551616"),
+    (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=2**63),
+     r"insert_landmarks: expected landmark_id as a token id \(an int in \[0, 2\*\*63\)\), got 9223372036854775808"),
+    (lambda: lmk_ops.sample_intervals(2**63),
+     r"sample_intervals: expected batch as an int in \[0, 2\*\*63\), got 9223372036854775808"),
 ]
 if torch.backends.mkldnn.is_available():
     UNCLEAR.append((lambda: lmk_ops.mean_pool(torch.randn(2, 3, 4).to_mkldnn()),

@@ -146,7 +146,7 @@ def test_training_intervals_are_reproducible_and_used_per_row():
 
 
 @pytest.mark.parametrize("bad,pattern", [
-    ({"interval": 0}, r"expected interval >= 1"),
+    ({"interval": 0}, r"expected interval as an int in \[1, 2\*\*63\)"),
     ({"interval": torch.tensor([4])}, r"expected per-row intervals as a \[B\] = \[2\] tensor"),
     ({"attention_mask": torch.ones(2, 3, dtype=torch.long)}, r"expected attention_mask of shape \[2, 4\]"),
     ({"attention_mask": torch.ones(2, 4)}, r"expected attention_mask as a bool or integer 0/1 tensor, got torch.float32"),

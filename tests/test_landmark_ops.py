@@ -135,8 +135,8 @@ def test_landmark_positions():
     # K as a NumPy integer (a config value, an array's max) counts as an int, as max_seqlen does; a float does not.
     assert lmk_ops.landmark_positions(mask, np.int64(4)).tolist() == [[1, 3, 4, -1], [-1] * 4, [0, -1, -1, -1]]
     assert lmk_ops.landmark_gather(torch.randn(3, 5, 2), mask, num_landmarks=np.int32(3))[0].shape == (3, 3, 2)
-    with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_positions: expected num_landmarks as an int >= 0 "
-                                           r"\(or None\), got 4\.0"):
+    with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_positions: expected num_landmarks as an int in "
+                                           r"\[0, 2\*\*63\) \(or None\), got 4\.0"):
         lmk_ops.landmark_positions(mask, 4.0)
     with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_positions: expected at most num_landmarks = 2 "
                                            r"landmarks per row, got 3 in row 0"):
@@ -144,7 +144,8 @@ def test_landmark_positions():
     # Called from landmark_gather, the same checks name landmark_gather.
     with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_gather: expected at most num_landmarks = 2 "):
         lmk_ops.landmark_gather(torch.randn(3, 5, 2), mask, num_landmarks=2)
-    with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_gather: expected num_landmarks as an int >= 0"):
+    with pytest.raises(RuntimeError,
+                       match=r"^lmk_ops\.landmark_gather: expected num_landmarks as an int in \[0, 2\*\*63\)"):
         lmk_ops.landmark_gather(torch.randn(3, 5, 2), mask, num_landmarks=-1)
     # Positions [B, K] set K: a num_landmarks beside them must agree (it was ignored).
     positions = lmk_ops.landmark_positions(mask)

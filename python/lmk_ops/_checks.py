@@ -51,8 +51,8 @@ def is_flag(value) -> bool:
 
 
 def is_integer(value) -> bool:
-    """A Python or NumPy integer, not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    """A Python or NumPy integer that an int64 holds (as the ops and tensors take it), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and -2**63 <= value < 2**63
 
 
 def is_int(value) -> bool:
@@ -79,7 +79,7 @@ def check_call(op: str, hidden, *, max_seqlen=None, **others) -> None:
         fail(op, f"expected hidden to be a tensor [B, L, D], got {_type_name(hidden)}")
     if max_seqlen is not None and not isinstance(max_seqlen, torch.SymInt) and (
             not is_integer(max_seqlen) or max_seqlen < 0):
-        fail(op, f"expected max_seqlen as an int >= 0 (or None), got {max_seqlen!r}")
+        fail(op, f"expected max_seqlen as an int in [0, 2**63) (or None), got {max_seqlen!r}")
     for name, value in others.items():
         required = name in ("query", "landmarks")
         if not isinstance(value, torch.Tensor) and (required or value is not None):

@@ -109,10 +109,10 @@ def sample_intervals(batch: int, choices: Sequence[int] = PAPER_TRAINING_INTERVA
     """
     values = list(choices)
     if not values or not all(is_int(v) and v >= 1 for v in values):
-        raise ValueError(f"lmk_ops.sample_intervals: expected a non-empty list of integer intervals >= 1, got "
+        raise ValueError(f"lmk_ops.sample_intervals: expected a non-empty list of integer intervals in [1, 2**63), got "
                          f"{values}")
     if not is_int(batch) or batch < 0:
-        raise ValueError(f"lmk_ops.sample_intervals: expected batch as an int >= 0, got {batch!r}")
+        raise ValueError(f"lmk_ops.sample_intervals: expected batch as an int in [0, 2**63), got {batch!r}")
     options = torch.tensor([int(v) for v in values], dtype=torch.long)
     return options[torch.randint(len(options), (batch,), generator=generator)]
 
@@ -143,14 +143,12 @@ def _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leadin
     if attention_mask is not None:
         _check_flags("attention_mask", attention_mask, input_ids)
     for name, value in (("landmark_id", landmark_id), ("pad_id", pad_id)):
-        if not is_int(value):
-            _fail(f"expected {name} as an int, got {value!r}")
-        if value < 0:  # a token id indexes the vocabulary
-            _fail(f"expected {name} as a token id >= 0, got {value}")
+        if not is_int(value) or value < 0:  # a token id indexes the vocabulary
+            _fail(f"expected {name} as a token id (an int in [0, 2**63)), got {value!r}")
         info = torch.iinfo(input_ids.dtype)
         if not info.min <= int(value) <= info.max:
             _fail(f"expected {name} representable in input_ids' dtype {input_ids.dtype} ([{info.min}, {info.max}]), "
-                  f"got {int(value)}; pass input_ids as int64")
+                  f"got {int(value)}{'' if input_ids.dtype == torch.int64 else '; pass input_ids as int64'}")
     if sentence_ends is not None:
         _check_flags("sentence_ends", sentence_ends, input_ids)
     if isinstance(interval, Tensor):
@@ -160,16 +158,16 @@ def _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leadin
             _fail(f"expected per-row intervals as a [B] = [{input_ids.shape[0]}] tensor of values >= 1, "
                   f"got {interval.tolist()}")
     elif not is_int(interval) or interval < 1:
-        _fail(f"expected interval >= 1 (an int, or a [B] integer tensor per row), got {interval!r}")
+        _fail(f"expected interval as an int in [1, 2**63), or a [B] integer tensor per row, got {interval!r}")
     for name, value in (("num_leading", num_leading), ("num_trailing", num_trailing)):
         if not is_int(value) or value < 0:
-            _fail(f"expected {name} as an int >= 0, got {value!r}")
+            _fail(f"expected {name} as an int in [0, 2**63), got {value!r}")
     if not is_flag(keep_trailing):
         _fail(f"expected keep_trailing as a bool, got {keep_trailing!r}")
     if padding_side not in (None, "left", "right"):
         _fail(f"expected padding_side 'left', 'right' or None (as the input), got {padding_side!r}")
     if max_length is not None and (not is_int(max_length) or max_length < 1):
-        _fail(f"expected max_length as an int >= 1 or None, got {max_length!r}")
+        _fail(f"expected max_length as an int in [1, 2**63) or None, got {max_length!r}")
 
 
 def insert_landmarks(

@@ -151,7 +151,7 @@ def _positions(op: str, landmark_mask: Tensor, num_landmarks: int | None, cu_seq
                  f"{getattr(landmark_mask, 'dtype', None)} of shape {list(getattr(landmark_mask, 'shape', []))}")
     if num_landmarks is not None and not isinstance(num_landmarks, torch.SymInt):
         if not is_integer(num_landmarks) or num_landmarks < 0:
-            fail(op, f"expected num_landmarks as an int >= 0 (or None), got {num_landmarks!r}")
+            fail(op, f"expected num_landmarks as an int in [0, 2**63) (or None), got {num_landmarks!r}")
         num_landmarks = int(num_landmarks)  # a NumPy integer too
     device = landmark_mask.device
     if cu_seqlens is not None:

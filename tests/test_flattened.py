@@ -160,3 +160,38 @@ def test_tokenize_with_landmarks_packed_is_the_padded_batch_without_padding(padd
     assert torch.equal(lmk_ops.landmark_mean(flat, packed.landmark_mask, cu_seqlens=packed.cu_seqlens,
                                              max_seqlen=packed.max_seqlen),
                        lmk_ops.landmark_mean(hidden, batch.landmark_mask))
+
+
+@pytest.mark.parametrize("mode", sorted(set(MODES.values()) | {"lmk", "attention"}))
+def test_flattened_by_position_ids_alone_as_the_collator_gives_them_by_default(padded, mode):
+    """DataCollatorWithFlattening() returns only position_ids [1, T], restarting at each text (transformers'
+    flash-attention path reads the offsets from them): these pooled all texts as one."""
+    mask = padded["attention_mask"].bool()
+    rows = [{"input_ids": ids[m].tolist()} for ids, m in zip(padded["input_ids"], mask)]
+    collated = transformers.DataCollatorWithFlattening()(rows, return_tensors="pt")
+    assert "cu_seq_lens_q" not in collated and "seq_idx" not in collated
+    hidden = padded["token_embeddings"]
+    landmark_mask = torch.zeros_like(mask)
+    landmark_mask[:, 2::7] = True
+    landmark_mask &= mask
+    options = {"dim": hidden.shape[-1], "heads": 4} if mode == "attention" else {}
+    torch.manual_seed(0)
+    pooling = lmk_ops.nn.Pooling(mode, **options)
+    with torch.no_grad():
+        ours = pooling(hidden[mask].unsqueeze(0), {**collated, "landmark_mask": landmark_mask[mask]})
+        want = pooling(hidden, {"attention_mask": padded["attention_mask"], "landmark_mask": landmark_mask})
+    assert ours.shape == want.shape == (hidden.shape[0], hidden.shape[-1])
+    if mode in ("mean_sqrt_len_tokens", "weightedmean"):  # plain PyTorch, summed in another order
+        torch.testing.assert_close(ours, want, atol=1e-6, rtol=1e-5)
+    else:
+        assert torch.equal(ours, want)
+
+
+def test_position_ids_of_one_padded_row_are_not_read_as_a_flattened_batch():
+    """One left-padded row whose position ids a generation loop built (padding at 1) does not start at the ids'
+    minimum: it stays one padded text, pooled with its attention mask."""
+    hidden = torch.randn(1, 5, 8)
+    mask = torch.tensor([[0, 0, 1, 1, 1]])
+    position_ids = (mask.cumsum(1) - 1).masked_fill(mask == 0, 1)
+    pooled = lmk_ops.nn.Pooling("mean")(hidden, {"attention_mask": mask, "position_ids": position_ids})
+    assert torch.equal(pooled, lmk_ops.mean_pool(hidden, mask))

@@ -50,8 +50,9 @@ def packed_layout(hidden: Tensor, batch: Any, cu_seqlens: Tensor | None = None, 
     """(hidden, {"cu_seqlens": ..., "max_seqlen": ...}) for a packed batch, else (hidden, {}).
 
     A batch is packed when cu_seqlens is given, or when the batch holds sentence-transformers' flattened features
-    (``cu_seq_lens_q``, with ``max_length_q`` and ``seq_idx`` when present: the offsets define the texts) or
-    flash-attention's ``cu_seqlens``. Flattened token states ``[1, T, D]`` become ``[T, D]``."""
+    (``cu_seq_lens_q``, with ``max_length_q`` and ``seq_idx`` when present: the offsets define the texts),
+    flash-attention's ``cu_seqlens``, or only ``position_ids`` ``[1, T]`` that restart (transformers'
+    ``DataCollatorWithFlattening`` by default). Flattened token states ``[1, T, D]`` become ``[T, D]``."""
     if cu_seqlens is None:
         cu_seqlens = _field(batch, "cu_seq_lens_q")
         if cu_seqlens is None:
@@ -60,6 +61,8 @@ def packed_layout(hidden: Tensor, batch: Any, cu_seqlens: Tensor | None = None, 
             hint = _field(batch, "max_length_q") if _field(batch, "max_length_q") is not None else _field(
                 batch, "max_seqlen")
             max_seqlen = hint if isinstance(hint, int) else None
+        if cu_seqlens is None:
+            cu_seqlens = _offsets_from_position_ids(hidden, _field(batch, "position_ids"))
     if cu_seqlens is None:
         if _field(batch, "seq_idx") is not None:  # else the flattened texts would pool as one
             raise ValueError("lmk_ops.nn: expected cu_seq_lens_q (or cu_seqlens) beside seq_idx: the batch holds "
@@ -68,6 +71,23 @@ def packed_layout(hidden: Tensor, batch: Any, cu_seqlens: Tensor | None = None, 
     if hidden.dim() == 3 and hidden.shape[0] == 1:
         hidden = hidden[0]
     return hidden, {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
+
+
+def _offsets_from_position_ids(hidden: Tensor, position_ids: Any) -> Tensor | None:
+    """The offsets of the texts flattened into one row, read from its position ids as transformers' flash-attention
+    path reads them (``prepare_fa_kwargs_from_position_ids``): a text starts wherever the ids return to their
+    minimum (0, or RoBERTa's padding_idx + 1). None unless the ids ``[1, T]`` match hidden ``[1, T, D]`` and restart
+    after a start at row 0: one increasing run is one text, whichever layout it is read as, and ids that do not
+    start at their minimum are a padded row's (left padding), not a flattened batch."""
+    if not (isinstance(position_ids, Tensor) and position_ids.dim() == 2 and hidden.dim() == 3
+            and position_ids.shape[0] == 1 and position_ids.shape == hidden.shape[:2] and position_ids.shape[1] > 1
+            and not position_ids.is_floating_point() and position_ids.device == hidden.device):
+        return None
+    ids = position_ids[0]
+    starts = (ids == ids.min()).nonzero().view(-1)
+    if starts.shape[0] < 2 or int(starts[0]) != 0:
+        return None
+    return torch.cat([starts, starts.new_tensor([ids.shape[0]])])
 
 
 def _flat(mask: Tensor | None, packed: dict) -> Tensor | None:
@@ -140,8 +160,9 @@ class Pooling(torch.nn.Module):
     :class:`lmk_ops.LandmarkBatch`. A sentence-transformers features dict can come alone, ``forward(features)``: it
     is then the batch too. The masks can also be passed as keywords. Packed batches work too: pass
     ``cu_seqlens`` (and ``max_seqlen``), or a batch holding sentence-transformers' flattened features
-    (``token_embeddings`` ``[1, T, D]`` with ``cu_seq_lens_q``); there the attention mask is not used (every packed
-    token is valid) unless passed as a keyword, and a landmark mask is ``[T]``.
+    (``token_embeddings`` ``[1, T, D]`` with ``cu_seq_lens_q``) or transformers' (``position_ids`` ``[1, T]``
+    restarting at each text, as ``DataCollatorWithFlattening`` gives them); there the attention mask is not used
+    (every packed token is valid) unless passed as a keyword, and a landmark mask is ``[T]``.
 
     ``include_prompt=False`` leaves out each text's first ``prompt_length`` valid tokens (its prompt, after any left
     padding), as sentence-transformers' ``Pooling(include_prompt=False)`` does: ``prompt_length`` comes from the

@@ -274,9 +274,32 @@ def test_one_string_is_one_text_and_no_texts_is_a_clear_error(tokenizer):
 
 @pytest.mark.parametrize("ends", [[[-5]], [[100]], [[3.0]], [[True]]])
 def test_sentence_ends_outside_the_text_are_a_clear_error(tokenizer, ends):
-    with pytest.raises(ValueError, match=r"^lmk_ops\.hf: expected sentence_ends of text 0 as character offsets in "
-                                         r"\[0, len\(text\)\] = \[0, 8\], got "):
+    with pytest.raises(ValueError, match=r"^lmk_ops\.hf\.tokenize_with_landmarks: expected sentence_ends of text 0 as "
+                                         r"character offsets in \[0, len\(text\)\] = \[0, 8\], got "):
         hf.tokenize_with_landmarks(tokenizer, ["One. Two"], sentence_ends=ends)
+
+
+@pytest.mark.parametrize("ends,message", [
+    (True, r"expected sentence_ends \(a list per text, or a callable\) as a list of character offsets, got bool"),
+    ("4", r"expected sentence_ends \(a list per text, or a callable\) as a list of character offsets, got str"),
+    ([4], r"expected sentence_ends of text 0 as a list of character offsets, got int"),
+    ([[4], [8]], r"expected sentence_ends for each of the 1 texts, got 2"),
+    (lambda text: None, r"expected sentence_ends\('One\. Two'\.\.\.\) as a list of character offsets, got NoneType"),
+])
+def test_sentence_ends_of_another_form_are_a_clear_error(tokenizer, ends, message):
+    """True, a string, or a callable returning None failed inside len() or the flag builder (TypeError)."""
+    with pytest.raises(ValueError, match=r"^lmk_ops\.hf\.tokenize_with_landmarks: " + message):
+        hf.tokenize_with_landmarks(tokenizer, ["One. Two"], sentence_ends=ends)
+
+
+def test_one_string_takes_one_flat_list_of_sentence_ends(tokenizer):
+    """One string is one text, so its sentence ends may come as one list, as they come from a callable."""
+    text = "One. Two. Three."
+    want = hf.tokenize_with_landmarks(tokenizer, [text], sentence_ends=[[4, 9, 16]])
+    for ends in ([4, 9, 16], [[4, 9, 16]], hf.simple_sentence_ends):
+        got = hf.tokenize_with_landmarks(tokenizer, text, sentence_ends=ends)
+        assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.landmark_mask, want.landmark_mask)
+    assert int(want.landmark_mask.sum()) == 3
 
 
 @pytest.mark.parametrize("interval", [0, 2.5, "32", None])

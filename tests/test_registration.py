@@ -2,6 +2,7 @@
 build information, and the version guard on import."""
 
 import importlib
+import subprocess
 import sys
 import types
 
@@ -288,6 +289,17 @@ def test_public_api_is_documented():
                lmk_ops.attention_pool):
         assert "Returns" in fn.__doc__ and "Raises" in fn.__doc__ and "{" not in fn.__doc__
     assert "Keys" in lmk_ops.build_info.__doc__ and lmk_ops.landmark_positions.__doc__
+
+
+def test_import_lmk_ops_alone_gives_every_submodule_the_readme_calls():
+    """In a fresh process (this one has imported them all): the README calls lmk_ops.hf and lmk_ops.nn after a bare
+    import lmk_ops; lmk_ops.hf was missing until imported by name."""
+    script = ("import sys, lmk_ops\n"
+              "assert callable(lmk_ops.hf.tokenize_with_landmarks) and callable(lmk_ops.nn.Pooling)\n"
+              "assert 'transformers' not in sys.modules and 'sentence_transformers' not in sys.modules\n"
+              "assert all(hasattr(lmk_ops, name) for name in lmk_ops.__all__)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
 
 
 def test_compile_fullgraph_landmark_positions_and_gather():

@@ -12,7 +12,7 @@ _C = load_extension()
 from . import _autograd, _meta, _vmap  # noqa: E402,F401  (register fake kernels, autograd and vmap rules)
 from . import reference  # noqa: E402,F401
 from .landmarks import LandmarkBatch, PackedLandmarkBatch, insert_landmarks, sample_intervals  # noqa: E402
-from . import nn  # noqa: E402
+from . import hf, nn  # noqa: E402  (hf needs no transformers: it takes any tokenizer object)
 from .ops import (  # noqa: E402
     attention_pool, first_token_pool, landmark_gather, landmark_mean, landmark_positions, last_token_pool, max_pool,
     mean_pool,
@@ -34,8 +34,7 @@ def build_info() -> dict:
 
 
 __all__ = [
-    "LandmarkBatch", "PackedLandmarkBatch", "__version__", "attention_pool", "build_info", "first_token_pool", "insert_landmarks",
-    "last_token_pool", "nn",
-    "sample_intervals", "landmark_gather", "landmark_mean", "landmark_positions", "max_pool", "mean_pool",
-    "reference",
+    "LandmarkBatch", "PackedLandmarkBatch", "__version__", "attention_pool", "build_info", "first_token_pool", "hf",
+    "insert_landmarks", "landmark_gather", "landmark_mean", "landmark_positions", "last_token_pool", "max_pool",
+    "mean_pool", "nn", "reference", "sample_intervals",
 ]

@@ -105,6 +105,34 @@ def _sentence_end_flags(offsets: torch.Tensor, attention_mask: torch.Tensor, end
     return flags
 
 
+def _sentence_ends_of_texts(texts: list[str], sentence_ends, one_text: bool) -> list[list[int]]:
+    """Each text's sentence ends as character offsets in [0, len(text)], checked: from a callable, a list per text,
+    or for a single string given alone, one flat list of offsets."""
+    def fail(message: str):
+        raise ValueError(f"lmk_ops.hf.tokenize_with_landmarks: {message}")
+
+    def offsets(value, what: str) -> list:
+        if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, torch.Tensor)):
+            fail(f"expected {what} as a list of character offsets, got {type(value).__name__}")
+        return value.tolist() if isinstance(value, torch.Tensor) else list(value)
+
+    if callable(sentence_ends):
+        per_text = [offsets(sentence_ends(t), f"sentence_ends({t[:20]!r}...)") for t in texts]
+    else:
+        per_text = offsets(sentence_ends, "sentence_ends (a list per text, or a callable)")
+        if one_text and per_text and all(is_integer(e) for e in per_text):
+            per_text = [per_text]  # one string's offsets, as one string is one text
+        if len(per_text) != len(texts):
+            fail(f"expected sentence_ends for each of the {len(texts)} texts, got {len(per_text)}")
+        per_text = [offsets(ends, f"sentence_ends of text {b}") for b, ends in enumerate(per_text)]
+    for b, (text, text_ends) in enumerate(zip(texts, per_text)):
+        bad = [e for e in text_ends if not is_integer(e) or not 0 <= e <= len(text)]
+        if bad:
+            fail(f"expected sentence_ends of text {b} as character offsets in [0, len(text)] = [0, {len(text)}], "
+                 f"got {bad[0]!r}")
+    return per_text
+
+
 def tokenize_with_landmarks(
     tokenizer,
     texts: str | Sequence[str],
@@ -140,7 +168,8 @@ def tokenize_with_landmarks(
     try:
         if isinstance(texts, (bytes, bytearray)):  # iterable, but as ints
             raise TypeError
-        texts = [texts] if isinstance(texts, str) else list(texts)
+        one_text = isinstance(texts, str)
+        texts = [texts] if one_text else list(texts)
     except TypeError:  # not iterable: an int, None
         raise ValueError(f"lmk_ops.hf.tokenize_with_landmarks: expected a string or a non-empty list of strings, got "
                          f"{type(texts).__name__}") from None
@@ -156,18 +185,7 @@ def tokenize_with_landmarks(
     cut = cut_before_insertion(max_length, layout)
     encoded = tokenizer(texts, padding=True, truncation=cut is not None, max_length=cut, return_tensors="pt",
                         verbose=False, return_offsets_mapping=want_offsets)
-    per_text_ends = None
-    if want_offsets:
-        per_text_ends = [sentence_ends(t) for t in texts] if callable(sentence_ends) else sentence_ends
-        if len(per_text_ends) != len(texts):
-            raise ValueError(f"lmk_ops.hf: expected sentence_ends for each of the {len(texts)} texts, "
-                             f"got {len(per_text_ends)}")
-        for b, (text, text_ends) in enumerate(zip(texts, per_text_ends)):
-            bad = [e for e in text_ends
-                   if not is_integer(e) or not 0 <= e <= len(text)]
-            if bad:
-                raise ValueError(f"lmk_ops.hf: expected sentence_ends of text {b} as character offsets in "
-                                 f"[0, len(text)] = [0, {len(text)}], got {bad[0]!r}")
+    per_text_ends = _sentence_ends_of_texts(texts, sentence_ends, one_text) if want_offsets else None
     every = interval
     if training_intervals is not None:
         every = sample_intervals(len(texts), training_intervals, generator=generator)

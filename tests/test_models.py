@@ -184,6 +184,35 @@ def test_pooling_module_errors():
         lmk_ops.nn.Pooling("lmk")(torch.randn(1, 3, 4), {"attention_mask": torch.ones(1, 3)})
 
 
+@pytest.mark.parametrize("mode", ["mean", "max", "cls", "last", "mean_sqrt_len_tokens", "weightedmean", "attention"])
+def test_an_attention_mask_given_as_the_batch_is_used(mode):
+    """pooling(hidden, mask): the tensor was looked up for an attention_mask attribute, found none, and every token
+    was pooled, padding included."""
+    hidden = torch.randn(2, 5, 8)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]])
+    torch.manual_seed(0)
+    pooling = lmk_ops.nn.Pooling(mode, **({"dim": 8, "heads": 2} if mode == "attention" else {}))
+    if mode == "attention":
+        torch.nn.init.normal_(pooling.attention.query)
+    with torch.no_grad():
+        assert torch.equal(pooling(hidden, mask), pooling(hidden, attention_mask=mask))
+        assert not torch.equal(pooling(hidden, mask), pooling(hidden))
+        packed = pooling(hidden[mask.bool()], torch.ones(7, dtype=torch.bool), cu_seqlens=torch.tensor([0, 3, 7]))
+    torch.testing.assert_close(packed, pooling(hidden, mask))
+    with pytest.raises(ValueError, match=r"^lmk_ops\.nn\.Pooling: expected the attention mask once"):
+        pooling(hidden, mask, attention_mask=mask)
+
+
+def test_a_batch_the_modules_cannot_read_is_refused_not_ignored():
+    hidden, mask = torch.randn(2, 5, 8), torch.ones(2, 5, dtype=torch.long)
+    for call in (lambda: lmk_ops.nn.Pooling("mean")(hidden, [mask]),
+                 lambda: lmk_ops.nn.AttentionPooling(8)(hidden, (mask,))):
+        with pytest.raises(TypeError, match=r"^lmk_ops\.nn\.(Pooling|AttentionPooling): expected batch as a mapping "
+                                            r".*got (list|tuple)"):
+            call()
+    assert lmk_ops.nn.AttentionPooling(8)(hidden, mask).shape == (2, 8)
+
+
 def test_mean_pool_matches_sentence_transformers_on_the_real_model(tokenizer, model):
     sentence_transformers = require("sentence_transformers")
     st_model = sentence_transformers.SentenceTransformer(MODEL_PATH, device="cpu")

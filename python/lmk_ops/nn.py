@@ -35,11 +35,27 @@ def _field(batch: Any, key: str) -> Tensor | None:
     return batch.get(key) if isinstance(batch, Mapping) else getattr(batch, key, None)
 
 
-def _batch_or_features(output: Any, batch: Any) -> Any:
-    """The batch that holds the masks and offsets: ``batch``, or where none is given and the output is a mapping
-    (sentence-transformers' features dict, which carries ``attention_mask`` and ``cu_seq_lens_q`` beside
-    ``token_embeddings``), the output itself."""
-    return output if batch is None and isinstance(output, Mapping) else batch
+_BATCH_FIELDS = ("attention_mask", "landmark_mask", "cu_seq_lens_q", "cu_seqlens", "position_ids", "seq_idx",
+                 "prompt_length")
+
+
+def _batch_and_mask(who: str, output: Any, batch: Any, attention_mask: Tensor | None) -> tuple[Any, Tensor | None]:
+    """(the batch that holds the masks and offsets, the attention mask given by the caller).
+
+    The batch is ``batch``, or where none is given and the output is a mapping (sentence-transformers' features
+    dict, which carries ``attention_mask`` and ``cu_seq_lens_q`` beside ``token_embeddings``), the output itself. A
+    tensor given as the batch is the attention mask (``pooling(hidden, mask)``, which was silently ignored); a batch
+    that is neither a mapping nor an object with a batch's fields is refused rather than ignored."""
+    if isinstance(batch, Tensor):
+        if attention_mask is not None:
+            raise ValueError(f"lmk_ops.nn.{who}: expected the attention mask once, got a tensor as the batch and "
+                             f"attention_mask=")
+        return None, batch
+    if batch is not None and not isinstance(batch, Mapping) and not any(hasattr(batch, f) for f in _BATCH_FIELDS):
+        raise TypeError(f"lmk_ops.nn.{who}: expected batch as a mapping (a dict, a BatchEncoding, sentence-transformers' "
+                        f"features), an object with a batch's fields ({', '.join(_BATCH_FIELDS[:3])}, ...), or the "
+                        f"attention mask as a tensor, got {type(batch).__name__}")
+    return (output if batch is None and isinstance(output, Mapping) else batch), attention_mask
 
 
 def _masks(batch: Any, attention_mask: Tensor | None) -> Tensor | None:
@@ -138,7 +154,7 @@ class AttentionPooling(torch.nn.Module):
 
     def forward(self, output: Any, batch: Any = None, *, attention_mask: Tensor | None = None,
                 return_weights: bool = False, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None):
-        batch = _batch_or_features(output, batch)
+        batch, attention_mask = _batch_and_mask("AttentionPooling", output, batch, attention_mask)
         hidden, packed = packed_layout(hidden_states(output), batch, cu_seqlens, max_seqlen)
         mask = _flat(_masks(batch, attention_mask) if not packed or attention_mask is not None else None, packed)
         return ops.attention_pool(hidden, mask, self.query, scale=self.scale, return_weights=return_weights, **packed)
@@ -158,7 +174,8 @@ class Pooling(torch.nn.Module):
     ``forward(output, batch)``: ``output`` is a model's output (or the token states), ``batch`` what the model was
     called with, holding ``attention_mask`` (and ``landmark_mask`` for "lmk"): a dict, a ``BatchEncoding`` or a
     :class:`lmk_ops.LandmarkBatch`. A sentence-transformers features dict can come alone, ``forward(features)``: it
-    is then the batch too. The masks can also be passed as keywords. Packed batches work too: pass
+    is then the batch too. The masks can also be passed as keywords, and the attention mask as the batch itself
+    (``pooling(hidden, attention_mask)``). Packed batches work too: pass
     ``cu_seqlens`` (and ``max_seqlen``), or a batch holding sentence-transformers' flattened features
     (``token_embeddings`` ``[1, T, D]`` with ``cu_seq_lens_q``) or transformers' (``position_ids`` ``[1, T]``
     restarting at each text, as ``DataCollatorWithFlattening`` gives them); there the attention mask is not used
@@ -198,7 +215,7 @@ class Pooling(torch.nn.Module):
     def forward(self, output: Any, batch: Any = None, *, attention_mask: Tensor | None = None,
                 landmark_mask: Tensor | None = None, cu_seqlens: Tensor | None = None,
                 max_seqlen: int | None = None, prompt_length: int | Tensor | None = None) -> Tensor:
-        batch = _batch_or_features(output, batch)
+        batch, attention_mask = _batch_and_mask("Pooling", output, batch, attention_mask)
         hidden, packed = packed_layout(hidden_states(output), batch, cu_seqlens, max_seqlen)
         # A flattened batch's attention mask (if any) describes the padded batch it came from, not the packed rows.
         mask = _flat(_masks(batch, attention_mask) if not packed or attention_mask is not None else None, packed)

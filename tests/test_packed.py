@@ -435,3 +435,53 @@ def test_pooling_lmk_takes_an_integer_landmark_mask_of_0_and_1_only():
         pooling(hidden, {"landmark_mask": landmarks})
     with pytest.raises(RuntimeError, match=r"its landmark_mask\): expected mask values 0 or 1, got 2"):
         pooling({**flat, "landmark_mask": landmarks.reshape(10)})
+
+
+REFERENCES = {
+    "mean_pool": lambda h, m, **p: lmk_ops.reference.mean_pool(h, m, **p),
+    "max_pool": lambda h, m, **p: lmk_ops.reference.max_pool(h, m, return_indices=True, **p),
+    "first_token_pool": lambda h, m, **p: lmk_ops.reference.first_token_pool(h, m, **p),
+    "last_token_pool": lambda h, m, **p: lmk_ops.reference.last_token_pool(h, m, **p),
+    "landmark_mean": lambda h, m, **p: lmk_ops.reference.landmark_mean(h, m, normalize=True, **p),
+    "landmark_mean@positions": lambda h, m, **p: lmk_ops.reference.landmark_mean(h, _positions_of(m, p), **p),
+    "landmark_gather": lambda h, m, **p: lmk_ops.reference.landmark_gather(h, m, **p),
+    "attention_pool": lambda h, m, **p: lmk_ops.reference.attention_pool(h, m, torch.ones(2, h.shape[-1] // 2,
+                                                                                          dtype=h.dtype), **p),
+}
+
+
+def _positions_of(mask, packed):
+    return lmk_ops.landmark_positions(mask, cu_seqlens=packed.get("cu_seqlens"))
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+def test_every_reference_takes_a_packed_batch_and_agrees_with_its_padded_form_and_the_op(name):
+    """#13 asks for lmk_ops.reference versions of each op for packed batches (only attention_pool took one)."""
+    lengths = [3, 0, 7, 1]
+    selected = torch.tensor([1, 0, 1, 1, 1, 0, 1, 0, 1, 1, 1], dtype=torch.bool)
+    packed, offsets, mask, pads = _layouts(lengths, 8, torch.float64, False, selected, "cpu")
+    reference = REFERENCES[name]
+    h = packed.detach().requires_grad_()
+    got = reference(h, mask, cu_seqlens=offsets.int(), max_seqlen=7)
+    hp = pads["right"][0].detach().requires_grad_()
+    want = reference(hp, pads["right"][1])
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    # Differentiable in the packed rows, with the padded form's gradient at each text's rows.
+    upstream = torch.randn(got[0].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    (g,) = torch.autograd.grad(got[0], h, upstream)
+    (gp,) = torch.autograd.grad(want[0], hp, upstream)
+    assert torch.equal(g, _rows_of(gp, lengths, "right"))
+    op = getattr(lmk_ops, name.split("@")[0])
+    kwargs = {"cu_seqlens": offsets}
+    args = (packed, _positions_of(mask, kwargs)) if name.endswith("@positions") else (packed, mask)
+    if name == "attention_pool":
+        args = (packed, mask, torch.ones(2, 4, dtype=torch.float64))
+    extra = {"normalize": True} if name == "landmark_mean" else {"return_indices": True} if name == "max_pool" else {}
+    ours = op(*args, **extra, **kwargs)
+    ours = ours if isinstance(ours, tuple) else (ours,)
+    for a, b in zip(ours, got):
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"^lmk_ops\.reference: expected max_seqlen at least the longest text \(7\)"):
+        reference(packed, mask, cu_seqlens=offsets, max_seqlen=6)

@@ -1,6 +1,8 @@
 """Plain-PyTorch versions of every op, with the same semantics: the oracle for the tests and the baseline for the
 benchmarks. They are written as a user would write them in eager PyTorch, in the input's own dtype (call them on
-an upcast input to get a float32 / float64 oracle)."""
+an upcast input to get a float32 / float64 oracle). Each pooling reference takes a packed batch too (keyword-only
+``cu_seqlens`` / ``max_seqlen``, hidden ``[T, D]``, masks ``[T]``, positions ``[B, K]`` counted from each text's
+start), through its padded form: what a user without lmk_ops would write."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
-    "attention_pool", "first_token_pool", "index_add_mean", "insert_landmarks", "last_token_pool", "landmark_gather", "landmark_mean", "max_pool", "mean_pool",
-    "padded_view", "scatter_max", "segment_max", "segment_mean",
+    "attention_pool", "first_token_pool", "index_add_mean", "insert_landmarks", "last_token_pool", "landmark_gather",
+    "landmark_mean", "max_pool", "mean_pool", "padded_view", "scatter_max", "segment_max", "segment_mean",
 ]
 
 
@@ -25,7 +27,18 @@ def _maybe_normalize(out: Tensor, normalize: bool) -> Tensor:
     return F.normalize(out, dim=-1, eps=max(1e-12, torch.finfo(out.dtype).tiny)) if normalize else out
 
 
-def mean_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False) -> Tensor:
+def _unpacked(hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor | None, max_seqlen: int | None):
+    """(hidden, mask) as the padded references take them: a packed batch's padded form [B, W, D] and its valid
+    tokens [B, W] (padded_view's), else the arguments as they came."""
+    if cu_seqlens is None:
+        return hidden, mask
+    padded, valid, _, _ = padded_view(hidden, mask, cu_seqlens, max_seqlen)
+    return padded, valid
+
+
+def mean_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False,
+              cu_seqlens: Tensor | None = None, max_seqlen: int | None = None) -> Tensor:
+    hidden, mask = _unpacked(hidden, mask, cu_seqlens, max_seqlen)
     valid = _valid(hidden, mask)
     summed = (hidden * valid.unsqueeze(-1).to(hidden.dtype)).sum(dim=1)
     count = valid.sum(dim=1, keepdim=True).clamp(min=1).to(hidden.dtype)
@@ -37,7 +50,9 @@ def _no_tokens(hidden: Tensor) -> Tensor:
     return hidden.new_zeros((hidden.shape[0], hidden.shape[2]))
 
 
-def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False, return_indices: bool = False):
+def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False, return_indices: bool = False,
+             cu_seqlens: Tensor | None = None, max_seqlen: int | None = None):
+    hidden, mask = _unpacked(hidden, mask, cu_seqlens, max_seqlen)  # positions count from each text's start
     if hidden.shape[1] == 0:
         empty = _no_tokens(hidden)
         return (empty, torch.full(empty.shape, -1, dtype=torch.int32, device=hidden.device)) if return_indices \
@@ -59,8 +74,10 @@ def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = Fa
     return values
 
 
-def first_token_pool(hidden: Tensor, mask: Tensor | None = None) -> Tensor:
+def first_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: Tensor | None = None,
+                     max_seqlen: int | None = None) -> Tensor:
     """The first valid token's state (zeros for a text with none), as sentence-transformers' cls pooling finds it."""
+    hidden, mask = _unpacked(hidden, mask, cu_seqlens, max_seqlen)
     if hidden.shape[1] == 0:
         return _no_tokens(hidden)
     valid = _valid(hidden, mask)
@@ -69,7 +86,9 @@ def first_token_pool(hidden: Tensor, mask: Tensor | None = None) -> Tensor:
     return picked * valid.any(dim=1, keepdim=True).to(hidden.dtype)
 
 
-def last_token_pool(hidden: Tensor, mask: Tensor | None = None) -> Tensor:
+def last_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: Tensor | None = None,
+                    max_seqlen: int | None = None) -> Tensor:
+    hidden, mask = _unpacked(hidden, mask, cu_seqlens, max_seqlen)
     if hidden.shape[1] == 0:
         return _no_tokens(hidden)
     valid = _valid(hidden, mask)
@@ -90,7 +109,17 @@ def _positions(landmarks: Tensor) -> Tensor:
     return out
 
 
-def landmark_gather(hidden: Tensor, landmarks: Tensor) -> tuple[Tensor, Tensor]:
+def _unpacked_landmarks(hidden: Tensor, landmarks: Tensor, cu_seqlens: Tensor | None, max_seqlen: int | None):
+    """(hidden, landmarks) in padded form: a packed [T] mask becomes [B, W]; positions [B, K] already count from
+    each text's start, as a padded row's columns do."""
+    if landmarks.dtype == torch.bool:
+        return _unpacked(hidden, landmarks, cu_seqlens, max_seqlen)
+    return _unpacked(hidden, None, cu_seqlens, max_seqlen)[0], landmarks
+
+
+def landmark_gather(hidden: Tensor, landmarks: Tensor, *, cu_seqlens: Tensor | None = None,
+                    max_seqlen: int | None = None) -> tuple[Tensor, Tensor]:
+    hidden, landmarks = _unpacked_landmarks(hidden, landmarks, cu_seqlens, max_seqlen)
     positions = _positions(landmarks)
     valid = positions >= 0
     if hidden.shape[1] == 0:  # nothing to gather from: every entry is -1
@@ -100,7 +129,9 @@ def landmark_gather(hidden: Tensor, landmarks: Tensor) -> tuple[Tensor, Tensor]:
     return gathered, valid
 
 
-def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False) -> Tensor:
+def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False, cu_seqlens: Tensor | None = None,
+                  max_seqlen: int | None = None) -> Tensor:
+    hidden, landmarks = _unpacked_landmarks(hidden, landmarks, cu_seqlens, max_seqlen)
     if landmarks.dtype == torch.bool:
         return mean_pool(hidden, landmarks, normalize=normalize)
     gathered, valid = landmark_gather(hidden, landmarks)
@@ -184,14 +215,25 @@ def insert_landmarks(input_ids: Tensor, attention_mask: Tensor | None = None, *,
 # Packed (cu_seqlens) batches: the references unpack to the padded layout; and the ways people pool packed batches in
 # plain PyTorch, which the benchmark report compares with.
 
+def _values_known(t: Tensor) -> bool:
+    """Whether t's values can be read: a plain tensor (not a fake or functional one, which the double backward's
+    trace gives here) outside compiling, meta and torch.func transforms."""
+    from .ops import _values_known as known  # not at import: ops imports this module
+
+    return type(t) is Tensor and known(t)
+
+
 def padded_view(hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor, width: int | None = None):
     """A packed batch ([T, D], a [T] mask or None, offsets [B + 1]) in padded form, differentiable in hidden:
     (padded [B, W, D] with zero padding rows, valid [B, W], each row's text [T] and slot [T]); W is width when
-    given, else the longest text."""
+    given (at least the longest text: a max_seqlen hint), else the longest text."""
     offsets = cu_seqlens.long()
     starts, lengths = offsets[:-1], offsets[1:] - offsets[:-1]
     if width is None:
         width = int(lengths.max()) if lengths.numel() else 0
+    elif _values_known(lengths) and lengths.numel() and width < int(lengths.max()):  # a hint that would cut texts
+        raise ValueError(f"lmk_ops.reference: expected max_seqlen at least the longest text ({int(lengths.max())}), "
+                         f"got {width}")
     column = torch.arange(width, device=hidden.device)
     inside = column < lengths.unsqueeze(1)
     rows = torch.where(inside, starts.unsqueeze(1) + column, hidden.shape[0])  # padding reads an appended zero row

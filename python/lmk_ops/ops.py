@@ -61,7 +61,8 @@ def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = Fa
         hidden: ``[B, L, D]`` float16, bfloat16, float32 or float64, any strides.
         mask: ``[B, L]`` bool or integer 0/1, ``None`` meaning every token is valid.
         {normalize}
-        return_indices: also return the position each maximum came from (counted from the text's start).
+        return_indices: also return the position each maximum came from: the column of hidden's row (padded,
+            either side, as ``torch.max`` over dim 1 gives it), counted from the text's start (packed).
         {packed}
 
     Returns:

@@ -33,6 +33,8 @@ def add_landmark_token(tokenizer, token: str = "[LMK]") -> int:
     A new token needs a row in the model's embedding table: call ``model.resize_token_embeddings(len(tokenizer))``
     before running the model (a warning says so), and fine-tune, since the new row starts untrained.
     """
+    if not isinstance(token, str) or not token:
+        raise ValueError(f"lmk_ops.hf.add_landmark_token: expected the token as a non-empty string, got {token!r}")
     if token not in tokenizer.get_vocab():
         tokenizer.add_tokens([token], special_tokens=True)
         warnings.warn(f"lmk_ops: added the landmark token {token!r} to the tokenizer as id "

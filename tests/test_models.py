@@ -329,6 +329,10 @@ def test_one_string_takes_one_flat_list_of_sentence_ends(tokenizer):
         got = hf.tokenize_with_landmarks(tokenizer, text, sentence_ends=ends)
         assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.landmark_mask, want.landmark_mask)
     assert int(want.landmark_mask.sum()) == 3
+    # An empty list for one string: no sentence ends, so one landmark closing the text.
+    alone = hf.tokenize_with_landmarks(tokenizer, text, sentence_ends=[])
+    assert torch.equal(alone.landmark_mask, hf.tokenize_with_landmarks(tokenizer, [text], sentence_ends=[[]]).landmark_mask)
+    assert int(alone.landmark_mask.sum()) == 1
 
 
 @pytest.mark.parametrize("interval", [0, 2.5, "32", None])

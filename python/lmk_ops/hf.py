@@ -122,7 +122,7 @@ def _sentence_ends_of_texts(texts: list[str], sentence_ends, one_text: bool) -> 
         per_text = [offsets(sentence_ends(t), f"sentence_ends({t[:20]!r}...)") for t in texts]
     else:
         per_text = offsets(sentence_ends, "sentence_ends (a list per text, or a callable)")
-        if one_text and per_text and all(is_integer(e) for e in per_text):
+        if one_text and all(is_integer(e) for e in per_text):
             per_text = [per_text]  # one string's offsets, as one string is one text
         if len(per_text) != len(texts):
             fail(f"expected sentence_ends for each of the {len(texts)} texts, got {len(per_text)}")

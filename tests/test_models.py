@@ -331,7 +331,8 @@ def test_one_string_takes_one_flat_list_of_sentence_ends(tokenizer):
     assert int(want.landmark_mask.sum()) == 3
     # An empty list for one string: no sentence ends, so one landmark closing the text.
     alone = hf.tokenize_with_landmarks(tokenizer, text, sentence_ends=[])
-    assert torch.equal(alone.landmark_mask, hf.tokenize_with_landmarks(tokenizer, [text], sentence_ends=[[]]).landmark_mask)
+    listed = hf.tokenize_with_landmarks(tokenizer, [text], sentence_ends=[[]])
+    assert torch.equal(alone.landmark_mask, listed.landmark_mask)
     assert int(alone.landmark_mask.sum()) == 1
 
 

@@ -52,9 +52,10 @@ def _batch_and_mask(who: str, output: Any, batch: Any, attention_mask: Tensor | 
                              f"attention_mask=")
         return None, batch
     if batch is not None and not isinstance(batch, Mapping) and not any(hasattr(batch, f) for f in _BATCH_FIELDS):
-        raise TypeError(f"lmk_ops.nn.{who}: expected batch as a mapping (a dict, a BatchEncoding, sentence-transformers' "
-                        f"features), an object with a batch's fields ({', '.join(_BATCH_FIELDS[:3])}, ...), or the "
-                        f"attention mask as a tensor, got {type(batch).__name__}")
+        raise TypeError(f"lmk_ops.nn.{who}: expected batch as a mapping (a dict, a BatchEncoding, "
+                        f"sentence-transformers' features), an object with a batch's fields "
+                        f"({', '.join(_BATCH_FIELDS[:3])}, ...), or the attention mask as a tensor, got "
+                        f"{type(batch).__name__}")
     return (output if batch is None and isinstance(output, Mapping) else batch), attention_mask
 
 

@@ -187,11 +187,16 @@ def test_flattened_by_position_ids_alone_as_the_collator_gives_them_by_default(p
         assert torch.equal(ours, want)
 
 
-def test_position_ids_of_one_padded_row_are_not_read_as_a_flattened_batch():
-    """One left-padded row whose position ids a generation loop built (padding at 1) does not start at the ids'
-    minimum: it stays one padded text, pooled with its attention mask."""
+@pytest.mark.parametrize("style", ["padding at 1", "clamped at 0"])
+def test_position_ids_of_one_padded_row_are_not_read_as_a_flattened_batch(style):
+    """One left-padded row with the position ids a generation loop builds: the padding's ids at 1, or cumsum - 1
+    clamped at 0, which restarts at 0 like a flattened batch. With an attention mask (in the batch, as a keyword or
+    as the batch itself) the ids are not read, as in transformers' flash-attention path: one padded text."""
     hidden = torch.randn(1, 5, 8)
     mask = torch.tensor([[0, 0, 1, 1, 1]])
-    position_ids = (mask.cumsum(1) - 1).masked_fill(mask == 0, 1)
-    pooled = lmk_ops.nn.Pooling("mean")(hidden, {"attention_mask": mask, "position_ids": position_ids})
-    assert torch.equal(pooled, lmk_ops.mean_pool(hidden, mask))
+    position_ids = (mask.cumsum(1) - 1).masked_fill(mask == 0, 1) if style == "padding at 1" else \
+        (mask.cumsum(1) - 1).clamp(min=0)
+    want = lmk_ops.mean_pool(hidden, mask)
+    pooling = lmk_ops.nn.Pooling("mean")
+    assert torch.equal(pooling(hidden, {"attention_mask": mask, "position_ids": position_ids}), want)
+    assert torch.equal(pooling(hidden, {"position_ids": position_ids}, attention_mask=mask), want)

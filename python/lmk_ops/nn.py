@@ -63,13 +63,16 @@ def _masks(batch: Any, attention_mask: Tensor | None) -> Tensor | None:
     return attention_mask if attention_mask is not None else _field(batch, "attention_mask")
 
 
-def packed_layout(hidden: Tensor, batch: Any, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None):
+def packed_layout(hidden: Tensor, batch: Any, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None,
+                  attention_mask: Tensor | None = None):
     """(hidden, {"cu_seqlens": ..., "max_seqlen": ...}) for a packed batch, else (hidden, {}).
 
     A batch is packed when cu_seqlens is given, or when the batch holds sentence-transformers' flattened features
     (``cu_seq_lens_q``, with ``max_length_q`` and ``seq_idx`` when present: the offsets define the texts),
-    flash-attention's ``cu_seqlens``, or only ``position_ids`` ``[1, T]`` that restart (transformers'
-    ``DataCollatorWithFlattening`` by default). Flattened token states ``[1, T, D]`` become ``[T, D]``."""
+    flash-attention's ``cu_seqlens``, or, with no attention mask anywhere, ``position_ids`` ``[1, T]`` that restart
+    (transformers' ``DataCollatorWithFlattening`` by default; its flash-attention path likewise reads the position
+    ids only without a mask, which a padded row's ids, e.g. ``cumsum - 1`` clamped at 0, would otherwise fool).
+    Flattened token states ``[1, T, D]`` become ``[T, D]``."""
     if cu_seqlens is None:
         cu_seqlens = _field(batch, "cu_seq_lens_q")
         if cu_seqlens is None:
@@ -78,7 +81,7 @@ def packed_layout(hidden: Tensor, batch: Any, cu_seqlens: Tensor | None = None, 
             hint = _field(batch, "max_length_q") if _field(batch, "max_length_q") is not None else _field(
                 batch, "max_seqlen")
             max_seqlen = hint if isinstance(hint, int) else None
-        if cu_seqlens is None:
+        if cu_seqlens is None and attention_mask is None and _field(batch, "attention_mask") is None:
             cu_seqlens = _offsets_from_position_ids(hidden, _field(batch, "position_ids"))
     if cu_seqlens is None:
         if _field(batch, "seq_idx") is not None:  # else the flattened texts would pool as one
@@ -156,7 +159,7 @@ class AttentionPooling(torch.nn.Module):
     def forward(self, output: Any, batch: Any = None, *, attention_mask: Tensor | None = None,
                 return_weights: bool = False, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None):
         batch, attention_mask = _batch_and_mask("AttentionPooling", output, batch, attention_mask)
-        hidden, packed = packed_layout(hidden_states(output), batch, cu_seqlens, max_seqlen)
+        hidden, packed = packed_layout(hidden_states(output), batch, cu_seqlens, max_seqlen, attention_mask)
         mask = _flat(_masks(batch, attention_mask) if not packed or attention_mask is not None else None, packed)
         return ops.attention_pool(hidden, mask, self.query, scale=self.scale, return_weights=return_weights, **packed)
 
@@ -217,7 +220,7 @@ class Pooling(torch.nn.Module):
                 landmark_mask: Tensor | None = None, cu_seqlens: Tensor | None = None,
                 max_seqlen: int | None = None, prompt_length: int | Tensor | None = None) -> Tensor:
         batch, attention_mask = _batch_and_mask("Pooling", output, batch, attention_mask)
-        hidden, packed = packed_layout(hidden_states(output), batch, cu_seqlens, max_seqlen)
+        hidden, packed = packed_layout(hidden_states(output), batch, cu_seqlens, max_seqlen, attention_mask)
         # A flattened batch's attention mask (if any) describes the padded batch it came from, not the packed rows.
         mask = _flat(_masks(batch, attention_mask) if not packed or attention_mask is not None else None, packed)
         prompt = None

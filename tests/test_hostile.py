@@ -659,6 +659,8 @@ UNCLEAR = [
      r"insert_landmarks: expected max_length as an int in \[1, 2\*\*63\) or None, got 18446744073709551616"),
     (lambda: lmk_ops.insert_landmarks(torch.tensor([[1, 2, 3]]), landmark_id=2**63),
      r"insert_landmarks: expected landmark_id as a token id \(an int in \[0, 2\*\*63\)\), got 9223372036854775808"),
+    (lambda: lmk_ops.hf.landmark_token_id(None, 102),
+     r"hf: expected landmark_token as a token string \(or None: the SEP or EOS token\), got 102"),
     (lambda: lmk_ops.hf.add_landmark_token(None, 5),
      r"hf\.add_landmark_token: expected the token as a non-empty string, got 5"),
     (lambda: lmk_ops.sample_intervals(2**63),

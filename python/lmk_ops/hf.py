@@ -53,6 +53,9 @@ def landmark_token_id(tokenizer, landmark_token: str | None = None) -> int:
             raise ValueError("lmk_ops.hf: the tokenizer has neither a SEP nor an EOS token; name a landmark_token "
                              "(add one with lmk_ops.hf.add_landmark_token)")
         return found
+    if not isinstance(landmark_token, str):
+        raise ValueError(f"lmk_ops.hf: expected landmark_token as a token string (or None: the SEP or EOS token), got "
+                         f"{landmark_token!r}")
     if landmark_token not in tokenizer.get_vocab():
         raise ValueError(f"lmk_ops.hf: expected the landmark token {landmark_token!r} in the tokenizer's vocabulary; "
                          "add it with lmk_ops.hf.add_landmark_token(tokenizer, token)")

@@ -8,6 +8,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -325,7 +326,8 @@ def test_one_string_takes_one_flat_list_of_sentence_ends(tokenizer):
     """One string is one text, so its sentence ends may come as one list, as they come from a callable."""
     text = "One. Two. Three."
     want = hf.tokenize_with_landmarks(tokenizer, [text], sentence_ends=[[4, 9, 16]])
-    for ends in ([4, 9, 16], [[4, 9, 16]], hf.simple_sentence_ends):
+    for ends in ([4, 9, 16], [[4, 9, 16]], hf.simple_sentence_ends, [np.array([4, 9, 16])], torch.tensor([4, 9, 16]),
+                 lambda t: np.array(hf.simple_sentence_ends(t))):
         got = hf.tokenize_with_landmarks(tokenizer, text, sentence_ends=ends)
         assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.landmark_mask, want.landmark_mask)
     assert int(want.landmark_mask.sum()) == 3

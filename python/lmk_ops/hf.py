@@ -117,9 +117,10 @@ def _sentence_ends_of_texts(texts: list[str], sentence_ends, one_text: bool) -> 
         raise ValueError(f"lmk_ops.hf.tokenize_with_landmarks: {message}")
 
     def offsets(value, what: str) -> list:
-        if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, torch.Tensor)):
+        array = isinstance(value, torch.Tensor) or type(value).__module__ == "numpy" and hasattr(value, "tolist")
+        if isinstance(value, (str, bytes)) or not (array or isinstance(value, Sequence)):
             fail(f"expected {what} as a list of character offsets, got {type(value).__name__}")
-        return value.tolist() if isinstance(value, torch.Tensor) else list(value)
+        return value.tolist() if array else list(value)
 
     if callable(sentence_ends):
         per_text = [offsets(sentence_ends(t), f"sentence_ends({t[:20]!r}...)") for t in texts]

@@ -1,6 +1,8 @@
 """insert_landmarks: property tests on random left/right-padded batches (against the per-row reference and against
 the layout rules themselves), training intervals, sentence placement, and real tokenizer output."""
 
+from collections.abc import Mapping
+
 import numpy as np
 import pytest
 import torch
@@ -174,6 +176,18 @@ def test_batches_move_to_another_device_keeping_their_dtypes():
         with pytest.raises(TypeError, match=rf"^lmk_ops\.{type(original).__name__}\.to: expected a device, got the "
                                             r"dtype torch\.float16"):
             original.to(torch.float16)
+
+
+def test_batches_read_as_mappings_of_their_fields_as_a_batch_encoding_does():
+    """`"landmark_mask" in batch` raised TypeError, `list(batch)` too, and a missing key was an AttributeError."""
+    batch = lmk_ops.insert_landmarks(torch.tensor([[CLS, 11, 12, SEP]]), landmark_id=7, interval=1)
+    for b, keys in ((batch, ["input_ids", "attention_mask", "landmark_mask"]),
+                    (batch.packed(), ["input_ids", "position_ids", "cu_seqlens", "max_seqlen", "landmark_mask"])):
+        assert isinstance(b, Mapping) and list(b) == list(b.keys()) == keys and len(b) == len(keys)
+        assert "landmark_mask" in b and "labels" not in b and b.get("labels") is None
+        assert all(b[k] is getattr(b, k) for k in keys) and dict(**b).keys() == dict(b.items()).keys()
+        with pytest.raises(KeyError):
+            b["labels"]
 
 
 @given(st.integers(0, 2**31 - 1), st.booleans())

@@ -12,7 +12,7 @@ chunk ends before it (a cumulative sum), and one scatter writes the new batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,19 +25,33 @@ __all__ = ["LandmarkBatch", "PackedLandmarkBatch", "insert_landmarks", "sample_i
 PAPER_TRAINING_INTERVALS = (32, 64, 128, 256)
 
 
+class _Fields(Mapping):
+    """A batch read as the mapping of its fields, as a Hugging Face ``BatchEncoding`` is read: ``batch["key"]``,
+    ``"key" in batch``, ``batch.keys()`` / ``items()``, ``**batch``. Subclasses name their fields in ``_KEYS``."""
+
+    _KEYS: tuple = ()
+
+    def __getitem__(self, key: str):
+        if key not in self._KEYS:  # a KeyError, as a mapping's (not the AttributeError getattr would give)
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._KEYS)
+
+    def __len__(self) -> int:
+        return len(self._KEYS)
+
+
 @dataclass
-class LandmarkBatch:
+class LandmarkBatch(_Fields):
     """A token batch with landmarks: ``[B, L']`` tensors on the input's device."""
+
+    _KEYS = ("input_ids", "attention_mask", "landmark_mask")
 
     input_ids: Tensor  # int64, pad_id where attention_mask is 0
     attention_mask: Tensor  # int64 0/1, as Hugging Face models take it
     landmark_mask: Tensor  # bool, True at landmark tokens only
-
-    def __getitem__(self, key: str) -> Tensor:  # batch["landmark_mask"], as with a Hugging Face BatchEncoding
-        return getattr(self, key)
-
-    def keys(self):
-        return ("input_ids", "attention_mask", "landmark_mask")
 
     def to(self, device, non_blocking: bool = False) -> LandmarkBatch:
         """The batch on another device (the tensors keep their dtypes)."""
@@ -60,21 +74,17 @@ class LandmarkBatch:
 
 
 @dataclass
-class PackedLandmarkBatch:
+class PackedLandmarkBatch(_Fields):
     """Texts with landmarks packed without padding, as flash-attention's varlen kernels and transformers'
     ``DataCollatorWithFlattening`` lay them out: ``[1, T]`` ids and positions, offsets ``cu_seqlens``."""
+
+    _KEYS = ("input_ids", "position_ids", "cu_seqlens", "max_seqlen", "landmark_mask")
 
     input_ids: Tensor  # int64 [1, T]
     position_ids: Tensor  # int64 [1, T], restarting at 0 in each text
     cu_seqlens: Tensor  # int32 [B + 1]
     max_seqlen: int  # the longest text's length
     landmark_mask: Tensor  # bool [T], True at landmark tokens only
-
-    def __getitem__(self, key: str):
-        return getattr(self, key)
-
-    def keys(self):
-        return ("input_ids", "position_ids", "cu_seqlens", "max_seqlen", "landmark_mask")
 
     def to(self, device, non_blocking: bool = False) -> PackedLandmarkBatch:
         """The batch on another device (the tensors keep their dtypes; max_seqlen stays a host int)."""
@@ -97,8 +107,8 @@ def _moved(batch, device, non_blocking: bool):
     except (RuntimeError, TypeError) as error:
         raise TypeError(f"lmk_ops.{type(batch).__name__}.to: expected a device (a torch.device, or a string such as "
                         f"'cuda:0'), got {device!r} ({error})") from None
-    return type(batch)(*(v.to(device, non_blocking=non_blocking) if isinstance(v, Tensor) else v
-                         for v in (getattr(batch, k) for k in batch.keys())))
+    return type(batch)(**{k: v.to(device, non_blocking=non_blocking) if isinstance(v, Tensor) else v
+                          for k, v in batch.items()})
 
 
 def sample_intervals(batch: int, choices: Sequence[int] = PAPER_TRAINING_INTERVALS, *,

@@ -227,9 +227,11 @@ def check_packed(op: str, hidden: torch.Tensor, cu_seqlens: torch.Tensor, max_se
     return cu_seqlens.shape[0] - 1
 
 
-def check_offsets(op: str, cu_seqlens: torch.Tensor, like: torch.Tensor) -> None:
+def check_offsets(op: str, cu_seqlens: torch.Tensor, like: torch.Tensor, like_name: str = "hidden") -> None:
+    if not isinstance(cu_seqlens, torch.Tensor):
+        fail(op, f"expected cu_seqlens to be a tensor or None, got {_type_name(cu_seqlens)}")
     if cu_seqlens.device != like.device:
-        fail(op, f"expected cu_seqlens on the same device as hidden ({like.device}), got {cu_seqlens.device}")
+        fail(op, f"expected cu_seqlens on the same device as {like_name} ({like.device}), got {cu_seqlens.device}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         fail(op, f"expected cu_seqlens of dtype int32 or int64, got {dtype_name(cu_seqlens.dtype)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:

@@ -8,7 +8,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ._checks import check_call, check_flag, check_hidden, check_landmarks, check_mask, check_packed
-from ._checks import check_packed_mask, check_scale_type, fail, is_integer
+from ._checks import check_offsets, check_packed_mask, check_scale_type, fail, is_integer
 from ._dispatch import call as _call
 
 __all__ = [
@@ -156,6 +156,7 @@ def _positions(op: str, landmark_mask: Tensor, num_landmarks: int | None, cu_seq
         num_landmarks = int(num_landmarks)  # a NumPy integer too
     device = landmark_mask.device
     if cu_seqlens is not None:
+        check_offsets(op, cu_seqlens, landmark_mask, "the landmark mask")
         # Each token's text and its rank among the text's landmarks, from one running count.
         offsets, text = _packed_texts(cu_seqlens, landmark_mask.shape[0], op)
         starts = offsets[:-1]

@@ -187,6 +187,23 @@ def test_flattened_by_position_ids_alone_as_the_collator_gives_them_by_default(p
         assert torch.equal(ours, want)
 
 
+def test_flattened_by_position_ids_under_torch_compile_breaks_the_graph_and_fullgraph_says_to_pass_offsets():
+    collated = transformers.DataCollatorWithFlattening()([{"input_ids": [101, 5, 6, 102]}, {"input_ids": [101, 102]}],
+                                                         return_tensors="pt")
+    hidden = torch.randn(1, 6, 8)
+    pooling = lmk_ops.nn.Pooling("mean")
+    want = lmk_ops.mean_pool(hidden[0], cu_seqlens=torch.tensor([0, 4, 6]))
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(pooling)(hidden, collated), want)
+    torch._dynamo.reset()  # else the frames compiled above are reused
+    with pytest.raises(Exception, match=r"lmk_ops\.nn: a flattened batch's texts are read from its position_ids' "
+                                        r"values; pass cu_seqlens"):
+        torch.compile(pooling, fullgraph=True)(hidden, collated)
+    offsets = {**collated, "cu_seq_lens_q": torch.tensor([0, 4, 6], dtype=torch.int32)}
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(pooling, fullgraph=True)(hidden, offsets), want)
+
+
 @pytest.mark.parametrize("style", ["padding at 1", "clamped at 0"])
 def test_position_ids_of_one_padded_row_are_not_read_as_a_flattened_batch(style):
     """One left-padded row with the position ids a generation loop builds: the padding's ids at 1, or cumsum - 1

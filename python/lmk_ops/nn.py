@@ -103,6 +103,12 @@ def _offsets_from_position_ids(hidden: Tensor, position_ids: Any) -> Tensor | No
             and position_ids.shape[0] == 1 and position_ids.shape == hidden.shape[:2] and position_ids.shape[1] > 1
             and not position_ids.is_floating_point() and position_ids.device == hidden.device):
         return None
+    if torch.compiler.is_dynamo_compiling():
+        # Where the texts start depends on the ids' values: under torch.compile the graph ends here and they are read
+        # outside it, as in eager; with fullgraph=True compilation stops here, with this message.
+        torch._dynamo.graph_break(msg="lmk_ops.nn: a flattened batch's texts are read from its position_ids' values; "
+                                      "pass cu_seqlens (DataCollatorWithFlattening(return_flash_attn_kwargs=True) "
+                                      "gives them as cu_seq_lens_q) to keep the call in one graph")
     ids = position_ids[0]
     starts = (ids == ids.min()).nonzero().view(-1)
     if starts.shape[0] < 2 or int(starts[0]) != 0:

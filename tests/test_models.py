@@ -202,6 +202,11 @@ def test_an_attention_mask_given_as_the_batch_is_used(mode):
     torch.testing.assert_close(packed, pooling(hidden, mask))
     with pytest.raises(ValueError, match=r"^lmk_ops\.nn\.Pooling: expected the attention mask once"):
         pooling(hidden, mask, attention_mask=mask)
+    # Beside a features dict (sentence-transformers'), the mask as the batch leaves the features' other fields read.
+    landmarks = torch.zeros(2, 5, dtype=torch.bool)
+    landmarks[:, 2] = True
+    features = {"token_embeddings": hidden, "landmark_mask": landmarks}
+    assert torch.equal(lmk_ops.nn.Pooling("lmk")(features, mask), lmk_ops.landmark_mean(hidden, landmarks))
 
 
 def test_a_batch_the_modules_cannot_read_is_refused_not_ignored():

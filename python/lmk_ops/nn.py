@@ -50,7 +50,7 @@ def _batch_and_mask(who: str, output: Any, batch: Any, attention_mask: Tensor | 
         if attention_mask is not None:
             raise ValueError(f"lmk_ops.nn.{who}: expected the attention mask once, got a tensor as the batch and "
                              f"attention_mask=")
-        return None, batch
+        batch, attention_mask = None, batch
     if batch is not None and not isinstance(batch, Mapping) and not any(hasattr(batch, f) for f in _BATCH_FIELDS):
         raise TypeError(f"lmk_ops.nn.{who}: expected batch as a mapping (a dict, a BatchEncoding, "
                         f"sentence-transformers' features), an object with a batch's fields "

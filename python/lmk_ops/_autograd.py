@@ -3,8 +3,8 @@
 
 The pooling ops fuse an optional L2 normalisation. Their backward first maps the gradient of the normalised output
 (and of the unnormalised second output) to the gradient of the pooled vector before normalising: [B, D]
-arithmetic in the accumulation type, written with ATen ops so that it is differentiable too. The single pass that writes the
-[B, L, D] gradient is the backward operator.
+arithmetic in the accumulation type, written with ATen ops so that it is differentiable too. The single pass that
+writes the [B, L, D] gradient is the backward operator.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ def _pooled(hidden, batch=None):
 
 def _unpooled(grad_out, seq_len, dtype=None, cu_seqlens=None):
     """The gradient of hidden: [B, L, D], or [T, D] for a packed batch (seq_len = T)."""
-    shape = (seq_len, grad_out.shape[-1]) if cu_seqlens is not None else (grad_out.shape[0], seq_len, grad_out.shape[-1])
+    width = grad_out.shape[-1]
+    shape = (seq_len, width) if cu_seqlens is not None else (grad_out.shape[0], seq_len, width)
     return grad_out.new_empty(shape, dtype=dtype or grad_out.dtype)
 
 

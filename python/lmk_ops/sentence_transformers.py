@@ -84,7 +84,8 @@ class LandmarkTransformer(Transformer):
         its content tokens and the landmarks of the chunks it fills. (sentence-transformers measures the prompt by
         preprocessing it alone, which here inserts landmarks into it as into a text of its own, and drops its last
         token if special: with the SEP token as the landmark, one token short where the prompt fills its last
-        chunk, whose landmark is then the text's closing [SEP].) A pooling module with include_prompt=False leaves these tokens out."""
+        chunk, whose landmark is then the text's closing [SEP].) A pooling module with include_prompt=False leaves
+        these tokens out."""
         content = len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
         return self._layout[0] + content + content // self.interval
 

@@ -12,6 +12,7 @@ import numbers
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
+from torch._subclasses.fake_tensor import FakeTensor
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # c10 prints ScalarType names ("Float", "Long", ...); the messages here match them.
@@ -60,6 +61,13 @@ def is_int(value) -> bool:
     if isinstance(value, torch.Tensor):
         return value.dim() == 0 and not value.is_floating_point() and value.dtype != torch.bool
     return is_integer(value)
+
+
+def values_known(t: torch.Tensor) -> bool:
+    """Whether t's values can be read here: not while tracing (torch.compile, FakeTensor), not inside torch.func
+    transforms (torch.vmap, whose tensors refuse .item()) and not on meta."""
+    return not (torch.compiler.is_compiling() or t.device.type == "meta" or isinstance(t, FakeTensor)
+                or torch._C._functorch.peek_interpreter_stack() is not None)
 
 
 def check_flag(op: str, name: str, value) -> bool:

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor
 
 from ._checks import check_call, check_flag, check_hidden, check_landmarks, check_mask, check_packed
-from ._checks import check_offsets, check_packed_mask, check_scale_type, fail, is_integer
+from ._checks import check_offsets, check_packed_mask, check_scale_type, fail, is_integer, values_known
 from ._dispatch import call as _call
 
 __all__ = [
@@ -113,13 +112,6 @@ def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False,
     return _call(torch.ops.lmk_ops.landmark_mean, hidden, landmarks, normalize, cu_seqlens, max_seqlen)[0]
 
 
-def _values_known(t: Tensor) -> bool:
-    """Whether t's values can be read here: not while tracing (torch.compile, FakeTensor), not inside torch.func
-    transforms (torch.vmap, whose tensors refuse .item()) and not on meta."""
-    return not (torch.compiler.is_compiling() or t.device.type == "meta" or isinstance(t, FakeTensor)
-                or torch._C._functorch.peek_interpreter_stack() is not None)
-
-
 def _packed_texts(cu_seqlens: Tensor, tokens: int, op: str):
     """(offsets [B + 1], text of each row [T]) of a packed batch, int64, with no device sync; the offsets checked
     first, as the ops check them (errors naming op)."""
@@ -177,7 +169,7 @@ def _positions(op: str, landmark_mask: Tensor, num_landmarks: int | None, cu_seq
         # outside it, as in eager; with fullgraph=True compilation stops here, with this message.
         torch._dynamo.graph_break(msg=f"lmk_ops.{op}: the width K of the positions depends on the landmark mask's "
                                       "values; pass num_landmarks to keep the call in one graph")
-    known = _values_known(landmark_mask)
+    known = values_known(landmark_mask)
     if num_landmarks is None or known:
         if not (known or dynamo):
             fail(op, "expected num_landmarks where the mask's values cannot be read (meta or fake tensors, "

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._checks import values_known
+
 __all__ = [
     "attention_pool", "first_token_pool", "index_add_mean", "insert_landmarks", "last_token_pool", "landmark_gather",
     "landmark_mean", "max_pool", "mean_pool", "padded_view", "scatter_max", "segment_max", "segment_mean",
@@ -215,14 +217,6 @@ def insert_landmarks(input_ids: Tensor, attention_mask: Tensor | None = None, *,
 # Packed (cu_seqlens) batches: the references unpack to the padded layout; and the ways people pool packed batches in
 # plain PyTorch, which the benchmark report compares with.
 
-def _values_known(t: Tensor) -> bool:
-    """Whether t's values can be read: a plain tensor (not a fake or functional one, which the double backward's
-    trace gives here) outside compiling, meta and torch.func transforms."""
-    from .ops import _values_known as known  # not at import: ops imports this module
-
-    return type(t) is Tensor and known(t)
-
-
 def padded_view(hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor, width: int | None = None):
     """A packed batch ([T, D], a [T] mask or None, offsets [B + 1]) in padded form, differentiable in hidden:
     (padded [B, W, D] with zero padding rows, valid [B, W], each row's text [T] and slot [T]); W is width when
@@ -231,7 +225,9 @@ def padded_view(hidden: Tensor, mask: Tensor | None, cu_seqlens: Tensor, width: 
     starts, lengths = offsets[:-1], offsets[1:] - offsets[:-1]
     if width is None:
         width = int(lengths.max()) if lengths.numel() else 0
-    elif _values_known(lengths) and lengths.numel() and width < int(lengths.max()):  # a hint that would cut texts
+    # A hint that would cut texts, where the values can be read: a plain tensor (the double backward's trace passes
+    # fake or functional ones here).
+    elif type(lengths) is Tensor and values_known(lengths) and lengths.numel() and width < int(lengths.max()):
         raise ValueError(f"lmk_ops.reference: expected max_seqlen at least the longest text ({int(lengths.max())}), "
                          f"got {width}")
     column = torch.arange(width, device=hidden.device)

@@ -430,10 +430,11 @@ def test_pooling_lmk_takes_an_integer_landmark_mask_of_0_and_1_only():
         assert torch.equal(pooling(hidden, {"landmark_mask": landmarks.to(dtype)}), expected)
         assert torch.equal(pooling({**flat, "landmark_mask": landmarks.reshape(1, 10).to(dtype)}), expected)
     landmarks[0, 1] = 2  # not a mask value: before, taken for a landmark
-    with pytest.raises(RuntimeError, match=r"lmk_ops.nn.Pooling\('lmk'\) \(its landmark_mask\): expected mask "
+    with pytest.raises(RuntimeError, match=r"lmk_ops.nn.Pooling\('lmk'\) \(its landmark_mask: 1 at each landmark "
+                                           r"token; landmark positions go to lmk_ops.landmark_mean\): expected mask "
                                            r"values 0 or 1, got 2"):
         pooling(hidden, {"landmark_mask": landmarks})
-    with pytest.raises(RuntimeError, match=r"its landmark_mask\): expected mask values 0 or 1, got 2"):
+    with pytest.raises(RuntimeError, match=r"landmark_mean\): expected mask values 0 or 1, got 2"):
         pooling({**flat, "landmark_mask": landmarks.reshape(10)})
 
 

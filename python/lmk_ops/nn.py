@@ -127,7 +127,8 @@ def _landmark_mask(landmarks: Tensor, packed: dict) -> Tensor:
     """A batch's landmark mask as a bool mask, whatever its integer dtype after collation (landmark_mean would read
     an integer tensor as positions); values other than 0 and 1 are refused, as in attention masks."""
     if isinstance(landmarks, Tensor) and landmarks.dim() in (1, 2):  # other shapes: landmark_mean says what is wrong
-        landmarks = ops.bool_mask("nn.Pooling('lmk') (its landmark_mask)", landmarks)
+        landmarks = ops.bool_mask("nn.Pooling('lmk') (its landmark_mask: 1 at each landmark token; landmark "
+                                  "positions go to lmk_ops.landmark_mean)", landmarks)
     return _flat(landmarks, packed)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Literal, Optional, Union, overload
 
 import torch
 
@@ -139,6 +140,29 @@ def _sentence_ends_of_texts(texts: list[str], sentence_ends, one_text: bool) -> 
     return per_text
 
 
+# Each text's sentence ends (character offsets), or a function that finds them in a text.
+SentenceEnds = Optional[Union[Sequence[Sequence[int]], Callable[[str], Sequence[int]]]]
+
+
+# What tokenize_with_landmarks returns, for type checkers: a padded batch, or with packed=True a packed one.
+@overload
+def tokenize_with_landmarks(
+        tokenizer, texts: str | Sequence[str], *, landmark_token: str | None = None, interval: int = 32,
+        training_intervals: Sequence[int] | None = None, generator: torch.Generator | None = None,
+        sentence_ends: SentenceEnds = None, max_length: int | None = None,
+        packed: Literal[False] = False) -> LandmarkBatch: ...
+@overload
+def tokenize_with_landmarks(
+        tokenizer, texts: str | Sequence[str], *, landmark_token: str | None = None, interval: int = 32,
+        training_intervals: Sequence[int] | None = None, generator: torch.Generator | None = None,
+        sentence_ends: SentenceEnds = None, max_length: int | None = None,
+        packed: Literal[True]) -> PackedLandmarkBatch: ...
+@overload
+def tokenize_with_landmarks(
+        tokenizer, texts: str | Sequence[str], *, landmark_token: str | None = None, interval: int = 32,
+        training_intervals: Sequence[int] | None = None, generator: torch.Generator | None = None,
+        sentence_ends: SentenceEnds = None, max_length: int | None = None,
+        packed: bool) -> LandmarkBatch | PackedLandmarkBatch: ...
 def tokenize_with_landmarks(
     tokenizer,
     texts: str | Sequence[str],
@@ -147,7 +171,7 @@ def tokenize_with_landmarks(
     interval: int = 32,
     training_intervals: Sequence[int] | None = None,
     generator: torch.Generator | None = None,
-    sentence_ends: Sequence[Sequence[int]] | Callable[[str], Sequence[int]] | None = None,
+    sentence_ends: SentenceEnds = None,
     max_length: int | None = None,
     packed: bool = False,
 ) -> LandmarkBatch | PackedLandmarkBatch:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 from torch import Tensor
 
@@ -52,8 +54,19 @@ def mean_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = F
     return _call(torch.ops.lmk_ops.mean_pool, hidden, mask, normalize, cu_seqlens, max_seqlen)[0]
 
 
+# What max_pool returns, for type checkers: the values alone, or with return_indices=True also the positions.
+@overload
+def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False,
+             return_indices: Literal[False] = False, cu_seqlens: Tensor | None = None,
+             max_seqlen: int | None = None) -> Tensor: ...
+@overload
+def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False, return_indices: Literal[True],
+             cu_seqlens: Tensor | None = None, max_seqlen: int | None = None) -> tuple[Tensor, Tensor]: ...
+@overload
+def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False, return_indices: bool,
+             cu_seqlens: Tensor | None = None, max_seqlen: int | None = None) -> Tensor | tuple[Tensor, Tensor]: ...
 def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False, return_indices: bool = False,
-             cu_seqlens: Tensor | None = None, max_seqlen: int | None = None):
+             cu_seqlens: Tensor | None = None, max_seqlen: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Mask-aware element-wise maximum over the token states of each text.
 
     Args:
@@ -299,8 +312,22 @@ def packed_valid(op: str, hidden: Tensor, mask: Tensor | None, cu_seqlens: Tenso
     return offsets, bool_mask(op, mask)
 
 
+# What attention_pool returns, for type checkers: the pooled vectors, or with return_weights=True also the weights.
+@overload
 def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale: float | None = None,
-                   return_weights: bool = False, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None):
+                   return_weights: Literal[False] = False, cu_seqlens: Tensor | None = None,
+                   max_seqlen: int | None = None) -> Tensor: ...
+@overload
+def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale: float | None = None,
+                   return_weights: Literal[True], cu_seqlens: Tensor | None = None,
+                   max_seqlen: int | None = None) -> tuple[Tensor, Tensor]: ...
+@overload
+def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale: float | None = None,
+                   return_weights: bool, cu_seqlens: Tensor | None = None,
+                   max_seqlen: int | None = None) -> Tensor | tuple[Tensor, Tensor]: ...
+def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale: float | None = None,
+                   return_weights: bool = False, cu_seqlens: Tensor | None = None,
+                   max_seqlen: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Attention pooling: a softmax over each text's valid tokens, scored against a learned query, weights the sum.
 
     One pass over hidden with an online softmax; the backward recomputes the probabilities from the saved softmax

@@ -882,10 +882,11 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
       chunk_mean(reducer, part_out.data() + part * dim + d0);
     }
   });
-  // Per text of several chunks and block of heads: the chunks merged in order (in float64), then finished.
+  // Per text of several chunks and block of heads: the chunks merged in order (in wide_t), then finished.
   for_each_text(list, batch, dim, head_dim, kChunkRows + 1, [&](int64_t b, int64_t d0, int64_t n) {
     const int64_t h0 = d0 / head_dim, used = (list.rows(b) + kChunkRows - 1) / kChunkRows;
-    std::vector<double> weighted(head_dim), rescaled_sum(used);
+    std::vector<wide_t<scalar_t>> weighted(head_dim);
+    std::vector<double> rescaled_sum(used), mean(head_dim);
     for (int64_t hh = h0; hh < h0 + n / head_dim; ++hh) {
       acc best = -std::numeric_limits<acc>::infinity();
       for (int64_t c = 0; c < used; ++c) {
@@ -893,7 +894,7 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
       }
       // The text's total first (each chunk's sum rescaled to the text's maximum), then each chunk's mean weighted by
       // its share of it.
-      double total = 0;
+      wide_t<scalar_t> total = 0;
       for (int64_t c = 0; c < used; ++c) {
         const int64_t part = plan.slot(b, c);
         const acc m = part_max.data()[part * heads + hh];
@@ -902,12 +903,13 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
       }
       std::fill(weighted.begin(), weighted.end(), 0.0);
       for (int64_t c = 0; c < used; ++c) {
-        const double share = rescaled_sum[c] / total;
+        const wide_t<scalar_t> share = rescaled_sum[c] / total;
         for (int64_t i = 0; i < head_dim; ++i) {
           weighted[i] += part_out.data()[plan.slot(b, c) * dim + hh * head_dim + i] * share;
         }
       }
-      finish_head(b, hh, best, total, weighted.data());
+      std::copy(weighted.begin(), weighted.end(), mean.begin());
+      finish_head(b, hh, best, static_cast<double>(total), mean.data());
     }
   });
 }
@@ -974,7 +976,7 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
   // per head, in `wide`: float64, and for float64 rows the x87 extended type (long double: 64-bit mantissa, 15-bit
   // exponent). e is kept wide: near the rows' type's maximum the wide pass below gives e past that type's range, and
   // the row gradient needs e - S, which may be small.
-  using wide = std::conditional_t<std::is_same_v<scalar_t, double>, long double, double>;
+  using wide = wide_t<scalar_t>;
   // Not zeroed: the chunks write every valid row's values, and only those are read. (Zero-filled anew on every
   // call, the pages of [B, H, L] values were faulted in each time, as CallScratch says.)
   const CallScratch<acc, 3> prob_scratch(row_texts * heads * seq_len);

@@ -44,6 +44,14 @@ inline void keep_max(Vec<acc>& best, Vec<same_size_int<acc>>& where, Vec<acc> x,
 // 1.26-1.33x -> 1.08-1.10x; the maximum in float32 over hidden.sum()'s time at 1x32768x1024 1.34-1.45x ->
 // 1.12-1.19x and at 8x4096x1024 1.28-1.39x -> 1.10-1.13x; the rest unchanged within the noise. Sequential runs of
 // 32 rows were up to 8 ulp off on a constant column, hence runs of 8.
+//
+// The one exception: the mean of float32 and float64 rows takes them four at a time, side by side and without
+// software prefetches (SumReducer::add_rows), each run adding (x0 + x1) + (x2 + x3) twice. One row at a time it
+// waited on memory on Zen 3 (AVX2, 2 threads), where four streams of the same run read faster. Time over
+// hidden.sum()'s, float32, two rounds in alternating processes: 1x32768x1024 1.21-1.28x -> 1.09x, 8x4096x1024
+// 1.25-1.33x -> 1.08-1.13x, 32x512x768 1.39-1.47x -> 1.18-1.31x. The same for bfloat16 (pairs) was slower (1.13x
+// -> 1.44x), and the maximum's four rows side by side (maxima in registers across them) no faster in float32 and
+// slower at 32x512x768 (1.20-1.36x -> 1.56-1.65x), so those stay one row at a time.
 constexpr int kFoldRows = 8;
 
 // The hardware prefetchers alone left the mean and the maximum waiting on memory after each row: on one thread
@@ -125,6 +133,37 @@ struct SumReducer {
     run = 1;
   }
 
+  // Rows pool_forward hands over together (add_rows): four of float32 or float64 (see kFoldRows), else one.
+  static constexpr int kRowsTogether = sizeof(scalar_t) >= 4 ? 4 : 1;
+
+  // Starts from zero sums, where the rows then come kRowsTogether at a time (init() takes the first row instead).
+  void start(int64_t width) {
+    n = width;
+    std::fill_n(sum, n, acc(0));
+    std::fill_n(total, n, 0.0);
+    run = 0;
+  }
+
+  // Adds kRowsTogether rows r[0..3] as (r0 + r1) + (r2 + r3), read side by side.
+  void add_rows(const scalar_t* const* r, int64_t stride, int64_t width) {
+    static_assert(kRowsTogether == 4 && sizeof(scalar_t) >= 4, "16-bit rows (pair order) go one at a time");
+    int64_t i = 0;
+    if (stride == 1) {
+      for (; i + V::size() <= width; i += V::size()) {
+        const V group = (V::loadu(r[0] + i) + V::loadu(r[1] + i)) + (V::loadu(r[2] + i) + V::loadu(r[3] + i));
+        (V::loadu(sum + i) + group).store(sum + i);
+      }
+    }
+    for (; i < width; ++i) {
+      sum[i] += (static_cast<acc>(r[0][i * stride]) + static_cast<acc>(r[1][i * stride])) +
+                (static_cast<acc>(r[2][i * stride]) + static_cast<acc>(r[3][i * stride]));
+    }
+    run += kRowsTogether;
+    if (run >= kFoldRows) {
+      finish();
+    }
+  }
+
   void add_row(const scalar_t* row, int64_t /*l*/, int64_t stride, int64_t width, const scalar_t* ahead) {
     int64_t i = 0;
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
@@ -142,7 +181,7 @@ struct SumReducer {
     for (; i < width; ++i) {
       sum[i] += static_cast<acc>(row[i * stride]);
     }
-    if (++run == kFoldRows) {
+    if (++run >= kFoldRows) {
       finish();
     }
   }
@@ -237,6 +276,7 @@ constexpr bool kKeyed = false;
 // reads each kept value back from its row (so a -0 kept for a tie with 0 keeps its sign).
 template <typename scalar_t>
 struct MaxReducer {
+  static constexpr int kRowsTogether = 1;  // see kFoldRows
   using acc = acc_t<scalar_t>;
   using V = Vec<acc>;
   using index_t = same_size_int<acc>;
@@ -324,9 +364,10 @@ struct MaxReducer {
 
 // Shared driver of the forward kernels: runs a Reducer over every (text, chunk, feature block) task of the listed
 // rows (for_each_chunk), one row after another (init() the first, add_row() the rest: see kFoldRows on why not in
-// groups, as attention's reducers take them), and hands the reduced block to chunk_done(b, chunk, d0, n, reducer,
-// rows), rows being the text's selected row count; then combine(b, d0, n, rows) finishes the texts of several
-// chunks.
+// groups, as attention's reducers take them) or, where the Reducer takes kRowsTogether > 1 rows at a time, from
+// start() in groups of that many (add_rows) and the rest one by one; it hands the reduced block to chunk_done(b,
+// chunk, d0, n, reducer, rows), rows being the text's selected row count; then combine(b, d0, n, rows) finishes the
+// texts of several chunks.
 template <typename scalar_t, typename Reducer, typename ChunkDone, typename Combine>
 void pool_forward(const Tensor& hidden, const RowList& list, const ChunkPlan& plan, const ChunkDone& chunk_done,
                   const Combine& combine) {
@@ -337,9 +378,21 @@ void pool_forward(const Tensor& hidden, const RowList& list, const ChunkPlan& pl
     Reducer reducer;
     const scalar_t* block = h + b * sb + d0 * sd;
     if (rows.begin < rows.end) {
-      const int64_t first = rows.list->row(b, rows.begin);
-      reducer.init(block + first * sl, sd, n, first);
-      for (int64_t j = rows.begin + 1; j < rows.end; ++j) {
+      int64_t j = rows.begin;
+      if constexpr (Reducer::kRowsTogether > 1) {
+        reducer.start(n);
+        for (; j + Reducer::kRowsTogether <= rows.end; j += Reducer::kRowsTogether) {
+          const scalar_t* together[Reducer::kRowsTogether];
+          for (int r = 0; r < Reducer::kRowsTogether; ++r) {
+            together[r] = block + rows.list->row(b, j + r) * sl;
+          }
+          reducer.add_rows(together, sd, n);
+        }
+      } else {
+        const int64_t first = rows.list->row(b, j++);
+        reducer.init(block + first * sl, sd, n, first);
+      }
+      for (; j < rows.end; ++j) {
         const int64_t l = rows.list->row(b, j);
         // The row kPrefetchRows on, or this one near the chunk's end (the next chunk is another task's).
         const int64_t ahead = j + kPrefetchRows < rows.end ? rows.list->row(b, j + kPrefetchRows) : l;
@@ -389,7 +442,7 @@ void mean_forward_typed(const Tensor& hidden, const RowSelection& rows, Tensor& 
       },
       [&](int64_t b, int64_t d0, int64_t n, int64_t count) {
         const double* first = partial.data() + plan.slot(b, 0) * dim + d0;
-        std::vector<double> total(first, first + n);
+        std::vector<wide_t<scalar_t>> total(first, first + n);
         for (int64_t c = 1; c * kChunkRows < count; ++c) {
           const double* p = partial.data() + plan.slot(b, c) * dim + d0;
           for (int64_t i = 0; i < n; ++i) {

@@ -413,12 +413,21 @@ inline void row_scores(const scalar_t* x, int64_t stride, const acc_t<scalar_t>*
 
 // Rows the forward scores at a time (rows_scores) where it shares the query's loads (SoftmaxReducer::
 // shares_query_loads): four on AVX-512, whose 32 vector registers hold the four rows' sixteen chains beside the
-// query's vectors. AVX2 has 16: two rows at a time there were 10-20% slower than one in bfloat16 (Zen 5 with the
-// AVX2 kernels, one head and 16 heads at 1x32768x1024, 12 heads at 32x512x768).
+// query's vectors; two on AVX2, which has 16. Two rows at a time with the AVX2 kernels were 10-20% slower than one
+// in bfloat16 on Zen 5 (which runs the AVX-512 kernels unless told otherwise), but faster on Zen 3, an AVX2-only
+// machine: 2 threads, two rounds in alternating processes, time over hidden.sum()'s at 1x32768x1024 with 16 heads
+// of 64, float32 1.61-1.76x -> 1.49-1.56x, bfloat16 1.76-1.77x -> 1.58-1.60x; one head and 32x512x768 unchanged
+// within the noise. Four rows there were no faster on the long text and slower at 32x512x768 in bfloat16 (16
+// heads 2.02-2.11x -> 2.18-2.24x).
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kScoreRows = 4;
+constexpr bool kFloatRowsShareQueryLoads = false;  // see shares_query_loads
+#elif defined(CPU_CAPABILITY_AVX2)
+constexpr int kScoreRows = 2;
+constexpr bool kFloatRowsShareQueryLoads = true;
 #else
 constexpr int kScoreRows = 1;
+constexpr bool kFloatRowsShareQueryLoads = false;
 #endif
 
 // total[i] += chunk[i], then chunk[i] = 0, for n values: a chunk's sums folded into the running totals.
@@ -590,16 +599,19 @@ struct SoftmaxReducer {
     }
   }
 
-  // Whether step() scores the rows of a group kScoreRows at a time, sharing the query's loads: bfloat16 rows on
-  // AVX-512. The query (float32) there takes as many bytes as the rows, so the score pass was bound by loads, and a
-  // head of few features also pays its reduction per row. Measured on Zen 5, 2 threads, three rounds in alternating
+  // Whether step() scores the rows of a group kScoreRows at a time, sharing the query's loads: contiguous
+  // bfloat16 rows, and contiguous float32 rows with the AVX2 kernels (see kScoreRows). With AVX-512 the query
+  // (float32) takes as many bytes as bfloat16 rows, so the score pass was bound by loads, and a head of few
+  // features also pays its reduction per row. Measured on Zen 5, 2 threads, three rounds in alternating
   // processes, time over hidden.sum()'s: 32x512x768 with 12 heads 3.04-3.16x -> 2.58-2.82x, with one head
   // 1.91-2.16x -> 1.66-1.88x, 1x32768x1024 with 16 heads 1.99-2.09x -> 1.69-1.99x, with one head 1.41-1.48x ->
   // 1.38-1.45x. The prefetches must stay one stream (SequentialAhead): with each row prefetching its own row
-  // ahead, the long text lost (one head 1.42-1.66x -> 1.64-1.73x). Float32 rows still lose with it (twice the
-  // lines per row; one long text with 16 heads 1.4-2.0x -> 1.6-2.5x), and stay one row at a time.
+  // ahead, the long text lost (one head 1.42-1.66x -> 1.64-1.73x). Float32 rows lost with it there (twice the
+  // lines per row; one long text with 16 heads 1.4-2.0x -> 1.6-2.5x) and stay one row at a time with AVX-512.
   bool shares_query_loads(int64_t stride) const {
-    return kScoreRows > 1 && std::is_same_v<scalar_t, c10::BFloat16> && stride == 1;
+    return kScoreRows > 1 && stride == 1 &&
+           (std::is_same_v<scalar_t, c10::BFloat16> ||
+            (kFloatRowsShareQueryLoads && std::is_same_v<scalar_t, float>));
   }
 
   // Head h's running maximum up to top where top passes it, rescaling what was added so far.
@@ -898,7 +910,8 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
       for (int64_t c = 0; c < used; ++c) {
         const int64_t part = plan.slot(b, c);
         const acc m = part_max.data()[part * heads + hh];
-        rescaled_sum[c] = part_sum.data()[part * heads + hh] * (m == best ? 1.0 : static_cast<double>(exp_acc(m - best)));
+        rescaled_sum[c] =
+            part_sum.data()[part * heads + hh] * (m == best ? 1.0 : static_cast<double>(exp_acc(m - best)));
         total += rescaled_sum[c];
       }
       std::fill(weighted.begin(), weighted.end(), 0.0);

@@ -37,16 +37,19 @@ def test_mean_of_a_million_equal_rows_is_within_a_few_ulp(value):
     assert _ulps(lmk_ops.mean_pool(hidden), hidden.double().mean(1)) <= 4
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("value", [0.1, 1 / 3, 0.7, 3.3])
-def test_float64_means_of_a_million_equal_rows_do_not_drift_with_the_number_of_chunks(value):
-    # The chunks' shares were added up in float64 itself, which drifted with their number: 44-234 ulp here. Added
-    # in the x87 extended type, what is left is each chunk's own rounding (torch.mean: 2-6 ulp on these columns).
-    hidden = torch.full((1, 10**6, 4), value, dtype=torch.float64)
+def test_float64_means_of_a_million_equal_rows_do_not_drift_with_the_number_of_chunks(device, value):
+    # The chunks' shares were added up in float64 itself, which drifted with their number: 44-234 ulp here on the
+    # CPU. Added in the x87 extended type (CPU) or compensated (CUDA), what is left is each chunk's own rounding
+    # (torch.mean: 2-6 ulp on these columns).
+    hidden = torch.full((1, 10**6, 4), value, dtype=torch.float64, device=device)
     results = {"mean_pool": lmk_ops.mean_pool(hidden),
-               "landmark_mean": lmk_ops.landmark_mean(hidden, torch.ones(1, 10**6, dtype=torch.bool)),
-               "attention_pool": lmk_ops.attention_pool(hidden, None, torch.zeros(4, dtype=torch.float64))}
+               "landmark_mean": lmk_ops.landmark_mean(hidden, torch.ones(1, 10**6, dtype=torch.bool, device=device)),
+               "attention_pool": lmk_ops.attention_pool(hidden, None, torch.zeros(4, dtype=torch.float64,
+                                                                                device=device))}
     for name, got in results.items():
-        assert ((got - value).abs() / math.ulp(value)).max().item() <= 8, name
+        assert ((got.cpu() - value).abs() / math.ulp(value)).max().item() <= 8, name
 
 
 @pytest.mark.parametrize("device", DEVICES)

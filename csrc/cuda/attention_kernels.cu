@@ -237,23 +237,6 @@ __device__ __forceinline__ acc rescale_factor(acc from, acc to) {
   return from == to ? acc(1) : (from == -std::numeric_limits<acc>::infinity() ? acc(0) : device_exp(from - to));
 }
 
-// Additions and a product rounded as written: nvcc would otherwise fuse a product into the addition after it, and a
-// compensated sum must know each rounding it makes.
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-
-// sum += value + lost, compensated (Kahan): carry holds minus what the roundings lost (and lost, what value's own
-// rounding lost), so that sum - carry is the exact sum but for the roundings of carry itself.
-template <typename acc>
-__device__ __forceinline__ void add_compensated(acc& sum, acc& carry, acc value, acc lost = acc(0)) {
-  const acc term = add_rn(value, -carry);
-  const acc next = add_rn(sum, term);
-  carry = add_rn(add_rn(add_rn(next, -sum), -term), -lost);
-  sum = next;
-}
-
 // sum += a * b, compensated, with the product's own rounding error, which an fma gives exactly.
 template <typename acc>
 __device__ __forceinline__ void add_product(acc& sum, acc& carry, acc a, acc b) {
@@ -495,20 +478,21 @@ __global__ void attention_combine(const acc_t<scalar_t>* part_max, const acc_t<s
     const acc m = part_max[(first + c) * heads + h];
     best = m > best ? m : best;
   }
-  // Summed in float64, so the error does not grow with the number of chunks.
+  // Summed in float64, compensated (ChunkSum), so the error does not grow with the number of chunks.
   const auto rescaled_sum = [&](int64_t part) {
     const acc m = part_max[part * heads + h];
     const acc factor = m == best ? acc(1) : (m == -std::numeric_limits<acc>::infinity() ? acc(0) : device_exp(m - best));
     return static_cast<double>(part_sum[part * heads + h] * factor);
   };
-  double total = 0, weighted = 0;
+  ChunkSum text_total, text_weighted;
   for (int64_t c = 0; c < used; ++c) {
-    total += rescaled_sum(first + c);
+    text_total.add(rescaled_sum(first + c));
   }
+  const double total = text_total.value();
   for (int64_t c = 0; c < used; ++c) {
-    weighted += part_out[(first + c) * dim + d] * (rescaled_sum(first + c) / total);
+    text_weighted.add(part_out[(first + c) * dim + d] * (rescaled_sum(first + c) / total));
   }
-  out[i] = static_cast<scalar_t>(weighted);
+  out[i] = static_cast<scalar_t>(text_weighted.value());
   if (d % head_dim == 0) {
     stats[(b * heads + h) * 2] = best;
     stats[(b * heads + h) * 2 + 1] = total;

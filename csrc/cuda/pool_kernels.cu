@@ -27,7 +27,7 @@ constexpr int kFeatureLanes = 32;
 // beside float32 rows (so a mean is within about one float32 ulp at any L: a float32 running sum loses digits as
 // it grows) and bfloat16 rows (float32's range: a float32 sum of values near its maximum overflows though their
 // mean is finite), and float32 beside float16 rows (whose 16-row runs per row lane it holds exactly or nearly, and
-// far from overflow). The chunks' partial sums are combined in float64 in chunk order.
+// far from overflow). The chunks' partial sums are combined in float64 in chunk order, compensated (ChunkSum).
 template <bool kMax, typename scalar_t>
 using value_t = std::conditional_t<kMax || std::is_same_v<scalar_t, c10::Half> || std::is_same_v<scalar_t, double>,
                                    acc_t<scalar_t>, double>;
@@ -197,24 +197,24 @@ __global__ void combine_chunks(const partial_t<kMax, scalar_t>* partial, const i
   }
   const int64_t first = chunks.first[b];
   const acc* p = partial + first * dim + d;
-  acc value = p[0];
-  int64_t where = kMax ? partial_where[first * dim + d] : 0;
-  for (int64_t c = 1; c < ceil_div(n, kChunkRows); ++c) {
-    if constexpr (kMax) {
+  if constexpr (kMax) {
+    acc value = p[0];
+    int64_t where = partial_where[first * dim + d];
+    for (int64_t c = 1; c < ceil_div(n, kChunkRows); ++c) {
       const int32_t at = partial_where[(first + c) * dim + d];
       if (takes_over(p[c * dim], at, value, where)) {
         value = p[c * dim];
         where = at;
       }
-    } else {
-      value += p[c * dim];
     }
-  }
-  if constexpr (kMax) {
     out[i] = static_cast<out_t>(value);
     argmax[i] = static_cast<int32_t>(where);
   } else {
-    out[i] = static_cast<out_t>(value);
+    ChunkSum total;
+    for (int64_t c = 0; c < ceil_div(n, kChunkRows); ++c) {
+      total.add(p[c * dim]);
+    }
+    out[i] = static_cast<out_t>(total.value());
   }
 }
 

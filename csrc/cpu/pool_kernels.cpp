@@ -48,10 +48,11 @@ inline void keep_max(Vec<acc>& best, Vec<same_size_int<acc>>& where, Vec<acc> x,
 // The one exception: the mean of float32 and float64 rows takes them four at a time, side by side and without
 // software prefetches (SumReducer::add_rows), each run adding (x0 + x1) + (x2 + x3) twice. One row at a time it
 // waited on memory on Zen 3 (AVX2, 2 threads), where four streams of the same run read faster. Time over
-// hidden.sum()'s, float32, two rounds in alternating processes: 1x32768x1024 1.21-1.28x -> 1.09x, 8x4096x1024
-// 1.25-1.33x -> 1.08-1.13x, 32x512x768 1.39-1.47x -> 1.18-1.31x. The same for bfloat16 (pairs) was slower (1.13x
-// -> 1.44x), and the maximum's four rows side by side (maxima in registers across them) no faster in float32 and
-// slower at 32x512x768 (1.20-1.36x -> 1.56-1.65x), so those stay one row at a time.
+// hidden.sum()'s, three rounds in alternating processes: float32 1x32768x1024 1.26-1.33x -> 1.06-1.12x,
+// 64x512x1024 1.25-1.33x -> 1.04-1.14x, 32x512x768 1.41-1.51x -> 1.27-1.50x; float64 1x16384x1024 1.18-1.24x ->
+// 0.95-1.03x (two rounds). The same for bfloat16 (pairs) was slower (1.13x -> 1.44x), and the maximum's four rows
+// side by side (maxima in registers across them) no faster in float32 and slower at 32x512x768 (1.20-1.36x ->
+// 1.56-1.65x), so those stay one row at a time.
 constexpr int kFoldRows = 8;
 
 // The hardware prefetchers alone left the mean and the maximum waiting on memory after each row: on one thread

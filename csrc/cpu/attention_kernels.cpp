@@ -820,7 +820,8 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
   const bool pairs = query_in_order.pairs;
   // Text b's results for head hh from its softmax state over all its rows (max score, total, weighted mean of its
   // slice): the output, the statistics and, when asked, the probabilities of its rows.
-  const auto finish_head = [&](int64_t b, int64_t hh, acc best, double total, const double* mean) {
+  // mean: head hh's weighted mean, in float64 or (merged from several chunks) in wide_t.
+  const auto finish_head = [&](int64_t b, int64_t hh, acc best, double total, const auto* mean) {
     for (int64_t i = 0; i < head_dim; ++i) {
       o[b * dim + hh * head_dim + i] = static_cast<scalar_t>(mean[i]);
     }
@@ -898,7 +899,7 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
   for_each_text(list, batch, dim, head_dim, kChunkRows + 1, [&](int64_t b, int64_t d0, int64_t n) {
     const int64_t h0 = d0 / head_dim, used = (list.rows(b) + kChunkRows - 1) / kChunkRows;
     std::vector<wide_t<scalar_t>> weighted(head_dim);
-    std::vector<double> rescaled_sum(used), mean(head_dim);
+    std::vector<double> rescaled_sum(used);
     for (int64_t hh = h0; hh < h0 + n / head_dim; ++hh) {
       acc best = -std::numeric_limits<acc>::infinity();
       for (int64_t c = 0; c < used; ++c) {
@@ -921,8 +922,7 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
           weighted[i] += part_out.data()[plan.slot(b, c) * dim + hh * head_dim + i] * share;
         }
       }
-      std::copy(weighted.begin(), weighted.end(), mean.begin());
-      finish_head(b, hh, best, static_cast<double>(total), mean.data());
+      finish_head(b, hh, best, static_cast<double>(total), weighted.data());
     }
   });
 }

@@ -45,14 +45,14 @@ inline void keep_max(Vec<acc>& best, Vec<same_size_int<acc>>& where, Vec<acc> x,
 // 1.12-1.19x and at 8x4096x1024 1.28-1.39x -> 1.10-1.13x; the rest unchanged within the noise. Sequential runs of
 // 32 rows were up to 8 ulp off on a constant column, hence runs of 8.
 //
-// The one exception: the mean of float32 and float64 rows takes them four at a time, side by side and without
-// software prefetches (SumReducer::add_rows), each run adding (x0 + x1) + (x2 + x3) twice. One row at a time it
-// waited on memory on Zen 3 (AVX2, 2 threads), where four streams of the same run read faster. Time over
-// hidden.sum()'s, three rounds in alternating processes: float32 1x32768x1024 1.26-1.33x -> 1.06-1.12x,
-// 64x512x1024 1.25-1.33x -> 1.04-1.14x, 32x512x768 1.41-1.51x -> 1.27-1.50x; float64 1x16384x1024 1.18-1.24x ->
-// 0.95-1.03x (two rounds). The same for bfloat16 (pairs) was slower (1.13x -> 1.44x), and the maximum's four rows
-// side by side (maxima in registers across them) no faster in float32 and slower at 32x512x768 (1.20-1.36x ->
-// 1.56-1.65x), so those stay one row at a time.
+// The one exception: the mean of float32 and float64 rows takes them four at a time, side by side and without software
+// prefetches (SumReducer::add_rows), each run of kFoldGroupedRows adding (x0 + x1) + (x2 + x3) in turn. One row at a
+// time it waited on memory on Zen 3 (AVX2, 2 threads), where four streams of the same run read faster. Time over
+// hidden.sum()'s, three rounds in alternating processes: float32 1x32768x1024 1.26-1.33x -> 1.06-1.12x, 64x512x1024
+// 1.25-1.33x -> 1.04-1.14x, 32x512x768 1.41-1.51x -> 1.27-1.50x; float64 1x16384x1024 1.18-1.24x -> 0.95-1.03x (two
+// rounds). The same for bfloat16 (pairs) was slower (1.13x -> 1.44x), and the maximum's four rows side by side (maxima
+// in registers across them) no faster in float32 and slower at 32x512x768 (1.20-1.36x -> 1.56-1.65x), so those stay one
+// row at a time.
 constexpr int kFoldRows = 8;
 
 // The hardware prefetchers alone left the mean and the maximum waiting on memory after each row: on one thread
@@ -136,6 +136,12 @@ struct SumReducer {
 
   // Rows pool_forward hands over together (add_rows): four of float32 or float64 (see kFoldRows), else one.
   static constexpr int kRowsTogether = sizeof(scalar_t) >= 4 ? 4 : 1;
+  // Rows added together fold into the total every kFoldGroupedRows rows: eight group sums in a row cost as many
+  // roundings as eight single rows (kFoldRows), so a million equal float32 rows stay within 1 ulp, and the fold's
+  // widening pass comes a quarter as often. Against runs of 8, three rounds in alternating processes (Zen 3, 2
+  // threads), time over hidden.sum()'s: float32 1x32768x1024 1.09-1.13x -> 1.02-1.08x, 8x4096x1024 1.07-1.14x ->
+  // 0.97-1.04x, 32x512x768 1.39-1.47x -> 1.34-1.38x, a packed batch of 120 texts x 768 1.23-1.26x -> 1.17-1.18x.
+  static constexpr int kFoldGroupedRows = 32;
 
   // Starts from zero sums, where the rows then come kRowsTogether at a time (init() takes the first row instead).
   void start(int64_t width) {
@@ -160,7 +166,7 @@ struct SumReducer {
                 (static_cast<acc>(r[2][i * stride]) + static_cast<acc>(r[3][i * stride]));
     }
     run += kRowsTogether;
-    if (run >= kFoldRows) {
+    if (run >= kFoldGroupedRows) {
       finish();
     }
   }

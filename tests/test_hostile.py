@@ -42,14 +42,15 @@ def test_mean_of_a_million_equal_rows_is_within_a_few_ulp(value):
 def test_float64_means_of_a_million_equal_rows_do_not_drift_with_the_number_of_chunks(device, value):
     # The chunks' shares were added up in float64 itself, which drifted with their number: 44-234 ulp here on the
     # CPU. Added in the x87 extended type (CPU) or compensated (CUDA), what is left is each chunk's own rounding
-    # (torch.mean: 2-6 ulp on these columns).
+    # (torch.mean: 2-6 ulp on these columns): on the CPU, where a chunk's runs of 32 rows add up four-row groups
+    # pairwise, 1-2 ulp (runs of 8: 2-8); CUDA's bound is the one it was written for, not yet run.
     hidden = torch.full((1, 10**6, 4), value, dtype=torch.float64, device=device)
     results = {"mean_pool": lmk_ops.mean_pool(hidden),
                "landmark_mean": lmk_ops.landmark_mean(hidden, torch.ones(1, 10**6, dtype=torch.bool, device=device)),
                "attention_pool": lmk_ops.attention_pool(hidden, None, torch.zeros(4, dtype=torch.float64,
                                                                                 device=device))}
     for name, got in results.items():
-        assert ((got.cpu() - value).abs() / math.ulp(value)).max().item() <= 8, name
+        assert ((got.cpu() - value).abs() / math.ulp(value)).max().item() <= (2 if device == "cpu" else 8), name
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -51,7 +51,7 @@ static_assert(kChunkRows <= 1024, "a shrunk chunk's sums must stay finite");
 
 // The type a text's per-chunk results are added up in: float64, and for float64 rows the x87 extended type (long
 // double: 64-bit mantissa, 15-bit exponent). A float64 sum of a long float64 text's chunks drifted with their
-// number: a mean of a million equal rows was 139 ulp off (torch.mean: 6); added up so, 8 (the chunks' own rounding).
+// number: a mean of a million equal rows was 139 ulp off (torch.mean: 6); added up so, 1 (the chunks' own rounding).
 template <typename scalar_t>
 using wide_t = std::conditional_t<std::is_same_v<scalar_t, double>, long double, double>;
 

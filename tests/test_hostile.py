@@ -644,7 +644,8 @@ UNCLEAR = [
      r"nn\.Pooling\('weightedmean'\): expected mask of dtype bool or an integer dtype holding 0/1, got Float"),
     (lambda: lmk_ops.nn.Pooling("weightedmean")(torch.randn(2, 3, 4), attention_mask=torch.tensor([[1, 2, 0]] * 2)),
      r"nn\.Pooling\('weightedmean'\): expected mask values 0 or 1, got 2 at \[0, 1\]"),
-    (lambda: lmk_ops.nn.Pooling("weightedmean")(torch.randn(2, 3, 4), attention_mask=torch.ones(2, 4, dtype=torch.bool)),
+    (lambda: lmk_ops.nn.Pooling("weightedmean")(torch.randn(2, 3, 4),
+                                                attention_mask=torch.ones(2, 4, dtype=torch.bool)),
      r"nn\.Pooling\('weightedmean'\): expected mask of shape \[B, L\] = \[2, 3\], got \[2, 4\]"),
     # normalize="no" normalised the modes nn.Pooling normalises itself (cls, last, attention, weightedmean, ...);
     # heads were taken and ignored outside attention.

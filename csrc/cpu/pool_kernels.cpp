@@ -35,25 +35,28 @@ inline void keep_max(Vec<acc>& best, Vec<same_size_int<acc>>& where, Vec<acc> x,
 // a mean so stays within about one float32 ulp of the result at any L (a plain float32 running sum loses digits as
 // it grows: 80,000 ulp at a million rows).
 //
-// The rows are added one after another, each read whole as one contiguous run: a stream the hardware prefetchers
-// follow, helped by a software prefetch (kPrefetchRows). The mean and the maximum read four rows side by side
-// before (pairwise sums per group of kRowGroup, maxima kept in registers across the group), which needed software
-// prefetches and still read slower. On Zen 5,
-// 2 threads, three runs each, time over an index_add's on the same packed batch of 120 texts x 768: the mean
-// 1.03-1.06x -> 0.97-1.04x (float32), 1.13-1.30x -> 0.98-1.00x (bfloat16); the maximum 1.19-1.21x -> 1.02-1.06x,
-// 1.26-1.33x -> 1.08-1.10x; the maximum in float32 over hidden.sum()'s time at 1x32768x1024 1.34-1.45x ->
-// 1.12-1.19x and at 8x4096x1024 1.28-1.39x -> 1.10-1.13x; the rest unchanged within the noise. Sequential runs of
-// 32 rows were up to 8 ulp off on a constant column, hence runs of 8.
+// The mean of float32 and float64 rows takes them four at a time, side by side and without software prefetches
+// (SumReducer::add_rows): a run adds eight group sums (x0 + x1) + (x2 + x3) in turn, as many roundings in a row as
+// eight single rows, so a million equal float32 rows stay within 1 ulp, and float64 ones within 2 (a chunk's total
+// then takes 16 additions). One row at a time it waited on memory on Zen 3 (AVX2, 2 threads), where four streams of
+// the same run read faster. Time over hidden.sum()'s, three rounds in alternating processes, one row at a time ->
+// four in runs of 8: float32 1x32768x1024 1.26-1.33x -> 1.06-1.12x, 64x512x1024 1.25-1.33x -> 1.04-1.14x, 32x512x768
+// 1.41-1.51x -> 1.27-1.50x; float64 1x16384x1024 1.18-1.24x -> 0.95-1.03x (two rounds); runs of 8 -> 32 (the fold's
+// widening pass a quarter as often): float32 1x32768x1024 1.09-1.13x -> 1.02-1.08x, 8x4096x1024 1.07-1.14x ->
+// 0.97-1.04x, 32x512x768 1.39-1.47x -> 1.34-1.38x, a packed batch of 120 texts x 768 1.23-1.26x -> 1.17-1.18x.
 //
-// The one exception: the mean of float32 and float64 rows takes them four at a time, side by side and without software
-// prefetches (SumReducer::add_rows), each run of kFoldGroupedRows adding (x0 + x1) + (x2 + x3) in turn. One row at a
-// time it waited on memory on Zen 3 (AVX2, 2 threads), where four streams of the same run read faster. Time over
-// hidden.sum()'s, three rounds in alternating processes: float32 1x32768x1024 1.26-1.33x -> 1.06-1.12x, 64x512x1024
-// 1.25-1.33x -> 1.04-1.14x, 32x512x768 1.41-1.51x -> 1.27-1.50x; float64 1x16384x1024 1.18-1.24x -> 0.95-1.03x (two
-// rounds). The same for bfloat16 (pairs) was slower (1.13x -> 1.44x), and the maximum's four rows side by side (maxima
-// in registers across them) no faster in float32 and slower at 32x512x768 (1.20-1.36x -> 1.56-1.65x), so those stay one
-// row at a time.
-constexpr int kFoldRows = 8;
+// 16-bit rows and the maximum go one row after another, each read whole as one contiguous run: a stream the hardware
+// prefetchers follow, helped by a software prefetch (kPrefetchRows). Four rows side by side were slower there: the
+// mean of bfloat16 (pair blocks) 1.13x -> 1.44x hidden.sum()'s time, the maximum (maxima in registers across the
+// rows) no faster in float32 and slower at 32x512x768 (1.20-1.36x -> 1.56-1.65x). A 16-bit run of 32 single rows
+// is up to 8 float32 ulp off on a constant column, 2^13 times below half a bfloat16 ulp (2^10 for float16), and the
+// result is rounded to theirs; runs of 8 -> 32, three rounds: bfloat16 1x32768x1024 0.97-1.00x -> 0.85-0.91x,
+// 32x512x768 1.00-1.06x -> 0.82-0.92x; float16 8x4096x1024 0.81-0.84x -> 0.73-0.75x, 32x512x768 1.15-1.21x ->
+// 0.92-0.99x. (Earlier, on Zen 5, 2 threads, rows one at a time instead of four side by side with software
+// prefetches, time over an index_add's on the same packed batch of 120 texts x 768: the mean 1.03-1.06x ->
+// 0.97-1.04x (float32), 1.13-1.30x -> 0.98-1.00x (bfloat16); the maximum 1.19-1.21x -> 1.02-1.06x, 1.26-1.33x ->
+// 1.08-1.10x; the float32 maximum at 1x32768x1024 1.34-1.45x -> 1.12-1.19x hidden.sum()'s time.)
+constexpr int kFoldRows = 32;
 
 // The hardware prefetchers alone left the mean and the maximum waiting on memory after each row: on one thread
 // their time was about hidden.sum()'s plus that of the same work on rows already in L1 (no overlap). So while a
@@ -136,18 +139,6 @@ struct SumReducer {
 
   // Rows pool_forward hands over together (add_rows): four of float32 or float64 (see kFoldRows), else one.
   static constexpr int kRowsTogether = sizeof(scalar_t) >= 4 ? 4 : 1;
-  // Rows added together fold into the total every kFoldGroupedRows rows: eight group sums in a row cost as many
-  // roundings as eight single rows (kFoldRows), so a million equal float32 rows stay within 1 ulp, and the fold's
-  // widening pass comes a quarter as often. Against runs of 8, three rounds in alternating processes (Zen 3, 2
-  // threads), time over hidden.sum()'s: float32 1x32768x1024 1.09-1.13x -> 1.02-1.08x, 8x4096x1024 1.07-1.14x ->
-  // 0.97-1.04x, 32x512x768 1.39-1.47x -> 1.34-1.38x, a packed batch of 120 texts x 768 1.23-1.26x -> 1.17-1.18x.
-  static constexpr int kFoldGroupedRows = 32;
-  // Rows added one at a time fold every kFoldRows rows; 16-bit rows every 32: their float32 run's error (up to 8
-  // float32 ulp on a constant column) is 2^13 times below half a bfloat16 ulp (2^10 for float16), and the result is
-  // rounded to theirs. Three rounds in alternating processes (Zen 3, 2 threads), time over hidden.sum()'s, runs of 8
-  // -> 32: bfloat16 1x32768x1024 0.97-1.00x -> 0.85-0.91x, 32x512x768 1.00-1.06x -> 0.82-0.92x; float16
-  // 8x4096x1024 0.81-0.84x -> 0.73-0.75x, 32x512x768 1.15-1.21x -> 0.92-0.99x.
-  static constexpr int kFoldSingleRows = sizeof(scalar_t) >= 4 ? kFoldRows : 32;
 
   // Starts from zero sums, where the rows then come kRowsTogether at a time (init() takes the first row instead).
   void start(int64_t width) {
@@ -172,7 +163,7 @@ struct SumReducer {
                 (static_cast<acc>(r[2][i * stride]) + static_cast<acc>(r[3][i * stride]));
     }
     run += kRowsTogether;
-    if (run >= kFoldGroupedRows) {
+    if (run >= kFoldRows) {
       finish();
     }
   }
@@ -194,7 +185,7 @@ struct SumReducer {
     for (; i < width; ++i) {
       sum[i] += static_cast<acc>(row[i * stride]);
     }
-    if (++run >= kFoldSingleRows) {
+    if (++run >= kFoldRows) {
       finish();
     }
   }

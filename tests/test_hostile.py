@@ -915,12 +915,13 @@ pool_all(peak_resident)
 
 
 @pytest.mark.parametrize("offsets", [[0, 4, 12], [0, 6, 4], [0, 4, 9], [0, -3, 10]])
-@pytest.mark.parametrize("name", ["mean_pool_backward", "landmark_mean_backward", "attention_pool_backward"])
+@pytest.mark.parametrize("name", ["mean_pool_backward", "max_pool_backward", "landmark_mean_backward",
+                                  "landmark_gather_backward", "attention_pool_backward"])
 def test_backward_ops_called_with_offsets_that_do_not_cover_the_rows_raise(name, offsets):
-    """The backward ops trust the cu_seqlens autograd hands them (the forward checked them), but a direct call may pass
-    offsets whose texts do not cover the T rows. A negative text length once corrupted the heap (torch's
-    repeat_interleave given output_size writes out of bounds for a negative repeat); now the CPU lists each row's
-    text in one loop that checks the lengths, and the composed (CUDA, CPU-twin) path clamps them."""
+    """A direct call of a backward op may pass offsets whose texts do not cover the T rows. A negative text length
+    once corrupted the heap (torch's repeat_interleave given output_size writes out of bounds for a negative
+    repeat), and CUDA's backward kernels, which take each text's rows from the offsets, trusted them; now every
+    packed backward op checks them as the forwards do (on CUDA on the device, without synchronising)."""
     tokens, dim = 10, 8
     hidden, query, grad = torch.randn(tokens, dim), torch.randn(dim), torch.randn(2, dim)
     good = torch.tensor([0, 4, 10], dtype=torch.int32)
@@ -928,12 +929,15 @@ def test_backward_ops_called_with_offsets_that_do_not_cover_the_rows_raise(name,
     bad = torch.tensor(offsets, dtype=torch.int32)
     calls = {
         "mean_pool_backward": lambda: torch.ops.lmk_ops.mean_pool_backward(grad, None, tokens, None, bad),
+        "max_pool_backward": lambda: torch.ops.lmk_ops.max_pool_backward(
+            grad, torch.zeros(2, dim, dtype=torch.int32), tokens, bad),
         "landmark_mean_backward": lambda: torch.ops.lmk_ops.landmark_mean_backward(
             grad, torch.tensor([[1, 3], [0, 2]]), tokens, None, bad),
+        "landmark_gather_backward": lambda: torch.ops.lmk_ops.landmark_gather_backward(
+            grad.view(2, 1, dim), torch.tensor([[1], [0]]), tokens, bad),
         "attention_pool_backward": lambda: torch.ops.lmk_ops.attention_pool_backward(
             grad, None, hidden, None, query, out, stats, None, bad, None),
     }
-    message = "" if lmk_ops.build_info()["cpu_twin"] else (
-        rf"lmk_ops\.{name}: expected cu_seqlens whose texts cover the T = 10 rows")
+    message = rf"^lmk_ops\.{name}: expected (cu_seqlens\[-1\] = T = 10 \(hidden's rows\)|non-decreasing cu_seqlens)"
     with pytest.raises(RuntimeError, match=message):
         calls[name]()

@@ -159,7 +159,10 @@ PackedBatch prepare_packed_hidden(const char* op, const Tensor& hidden, const Te
 }
 
 PackedBatch prepare_packed_grad(const char* op, const Tensor& grad, int64_t tokens, const Tensor& cu_seqlens) {
-  PackedBatch packed = prepare_packed(op, tokens, grad, cu_seqlens, std::nullopt, Values::kTrusted);
+  // The offsets' values are checked as a forward's are (on the CPU a loop over B + 1 values; on CUDA a few
+  // device-side checks, no synchronisation): a backward op called directly with offsets that leave [0, T) would
+  // otherwise write outside grad_hidden on CUDA, where the kernels take each text's rows from them.
+  PackedBatch packed = prepare_packed(op, tokens, grad, cu_seqlens, std::nullopt, Values::kCheck);
   LMK_CHECK(
       packed.batch == grad.size(0), "lmk_ops.", op, ": expected grad_out with B = ", packed.batch,
       " texts (as cu_seqlens), got shape ", shape_str(grad.sizes()));

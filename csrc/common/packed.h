@@ -53,7 +53,8 @@ PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, c
 PackedBatch prepare_packed_hidden(const char* op, const Tensor& hidden, const Tensor& cu_seqlens,
                                   std::optional<int64_t> max_seqlen, Values values = Values::kCheck);
 
-// The packed batch of a backward op, whose cu_seqlens' values are trusted: grad_out's first dimension must be B.
+// The packed batch of a backward op, its cu_seqlens checked as prepare_packed checks them (without max_seqlen);
+// grad_out's first dimension must be B.
 PackedBatch prepare_packed_grad(const char* op, const Tensor& grad, int64_t tokens, const Tensor& cu_seqlens);
 
 // A packed batch's token mask [T] (bool, or integer 0/1), as a contiguous bool tensor; undefined when not given.

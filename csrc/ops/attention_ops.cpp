@@ -115,7 +115,8 @@ std::tuple<Tensor, Tensor> attention_pool_backward(
   const Tensor hidden = unit_feature_stride(hidden_in);
   const Tensor gw = grad_weights_in.has_value() ? *grad_weights_in : Tensor();
   if (cu_seqlens.has_value()) {
-    const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen, Values::kTrusted);
+    // The offsets checked as the forward checks them: CUDA's backward kernels take each text's rows from them.
+    const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen);
     const Tensor view = packed.batch_view(hidden);
     const Heads heads = check_query(op, query, view);
     const double s = resolve_scale(op, scale, heads.dim);

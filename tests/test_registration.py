@@ -403,3 +403,17 @@ def test_attention_pooling_module_compiles():
     mask = torch.rand(3, 11) < 0.7
     compiled = torch.compile(module, fullgraph=True)
     torch.testing.assert_close(compiled(hidden, attention_mask=mask), module(hidden, attention_mask=mask))
+
+
+def test_the_package_imports_and_runs_with_docstrings_stripped():
+    # python -OO strips docstrings (some deployments run so): ops.py filled placeholders in its docstrings with
+    # str.replace on what was then None, and `import lmk_ops` failed; the report's --help read its module docstring.
+    script = ("import torch, lmk_ops; assert lmk_ops.mean_pool.__doc__ is None; "
+              "out = lmk_ops.mean_pool(torch.ones(1, 2, 3), normalize=True); "
+              "print(torch.allclose(out, torch.full((1, 3), 3 ** -0.5)))")
+    result = subprocess.run([sys.executable, "-OO", "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "True"
+    result = subprocess.run([sys.executable, "-OO", "-m", "lmk_ops.bench", "--help"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and "--packed" in result.stdout, result.stderr[-2000:]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NoReturn
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -36,7 +37,7 @@ def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
-def fail(op: str, message: str) -> None:
+def fail(op: str, message: str) -> NoReturn:
     raise RuntimeError(f"lmk_ops.{op}: {message}")
 
 
@@ -53,7 +54,7 @@ def is_flag(value) -> bool:
 
 def is_integer(value) -> bool:
     """A Python or NumPy integer that an int64 holds (as the ops and tensors take it), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and -2**63 <= value < 2**63
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and -2**63 <= int(value) < 2**63
 
 
 def is_int(value) -> bool:

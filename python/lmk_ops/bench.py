@@ -459,7 +459,7 @@ def parse_list(choices):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lmk_ops.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lmk_ops.bench", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", type=parse_list(DTYPES), default=["float32", "bfloat16"],
                         help="comma-separated: float16,bfloat16,float32,float64 (default float32,bfloat16)")

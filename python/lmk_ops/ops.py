@@ -255,7 +255,8 @@ def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | N
 
 
 for _fn in (mean_pool, max_pool, landmark_mean):
-    _fn.__doc__ = _fn.__doc__.replace("{normalize}", _NORMALIZE_DOC).replace("{packed}", _PACKED_DOC)
+    if _fn.__doc__ is not None:  # None under python -OO, which strips docstrings
+        _fn.__doc__ = _fn.__doc__.replace("{normalize}", _NORMALIZE_DOC).replace("{packed}", _PACKED_DOC)
 
 
 def first_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: Tensor | None = None,

@@ -145,7 +145,7 @@ Tensor text_of_rows(const Tensor& lengths, int64_t rows, const char* op) {
     int64_t* t = text.mutable_data_ptr<int64_t>();
     int64_t row = 0;
     for (int64_t b = 0; b < n.size(0); ++b) {
-      // Lengths the caller trusts (a backward op's cu_seqlens) may still be wrong: never write past the rows.
+      // The callers check cu_seqlens first (prepare_packed); this check keeps the loop inside the rows regardless.
       LMK_CHECK(length[b] >= 0 && length[b] <= rows - row, "lmk_ops.", op,
                 ": expected cu_seqlens whose texts cover the T = ", rows, " rows, got a text of ", length[b],
                 " rows after ", row);

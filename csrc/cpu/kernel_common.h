@@ -196,8 +196,8 @@ void for_each_text(const RowList& list, int64_t batch, int64_t dim, int64_t unit
 // A reducer folds groups of up to kRowGroup selected rows (in the selection's order) into its accumulator of n
 // features; feature i of a row is at row[i * stride]. init() takes the first row alone. Attention's reducers fold
 // a group per pass, keeping their accumulators in registers across the group's rows (the mean and the maximum take
-// rows one at a time instead: pool_kernels.cpp, kFoldRows). The groups depend only on the selected rows, never on
-// padding or the batch.
+// rows their own way: pool_kernels.cpp, kFoldRows). The groups depend only on the selected rows, never on padding
+// or the batch.
 constexpr int kRowGroup = 4;
 
 // Prefetches into L1 the cache line at ahead + i where feature i starts one (contiguous rows: the mean's and the

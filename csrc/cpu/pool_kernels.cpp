@@ -101,6 +101,24 @@ template <int64_t kStep, typename scalar_t, typename Step>
   *at = i;
 }
 
+// Whether every value is finite, in one vectorised pass: t - t is 0 for a finite t and NaN for inf or NaN. (A
+// std::all_of over isfinite compiled to a scalar loop that took ~3% of a small batch's mean.)
+inline bool all_finite(const double* values, int64_t n) {
+  using VD = Vec<double>;
+  int64_t i = 0;
+  typename Vec<int64_t>::Native bad{};
+  for (; i + VD::size() <= n; i += VD::size()) {
+    const VD t = VD::loadu(values + i);
+    bad |= (t.v - t.v) != 0.0;
+  }
+  for (; i < n; ++i) {
+    if (!std::isfinite(values[i])) {
+      return false;
+    }
+  }
+  return !any_lane(bad);
+}
+
 template <typename scalar_t>
 struct SumReducer {
   using acc = acc_t<scalar_t>;
@@ -205,7 +223,7 @@ struct SumReducer {
   // which keeps a chunk's kChunkRows rows finite, and unscale carries the factor back: the caller divides by the
   // row count before unscaling. Only such values, or inputs that are inf or NaN (which stay so), take this read.
   void resum_if_overflowed(const scalar_t* block, int64_t stride_l, int64_t stride_d, const ChunkRows& chunk) {
-    if (std::all_of(total, total + n, [](double t) { return std::isfinite(t); })) {
+    if (all_finite(total, n)) {
       return;
     }
     constexpr double shrink = kResumShrink<acc>;

@@ -637,8 +637,7 @@ struct SoftmaxReducer {
   // Only such rows, or inputs that are inf or NaN (which stay so), take this second read.
   void resum_if_overflowed(const scalar_t* block, int64_t stride_l, int64_t stride_d, const ChunkRows& chunk) {
     const int64_t n = heads * head_dim;
-    const auto finite = [](double t) { return std::isfinite(t); };
-    if (std::all_of(weighted_total, weighted_total + n, finite) && std::all_of(total_sum, total_sum + heads, finite)) {
+    if (all_finite(weighted_total, n) && all_finite(total_sum, heads)) {
       return;
     }
     constexpr double shrink = kResumShrink<acc>;

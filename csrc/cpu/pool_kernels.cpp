@@ -101,24 +101,6 @@ template <int64_t kStep, typename scalar_t, typename Step>
   *at = i;
 }
 
-// Whether every value is finite, in one vectorised pass: t - t is 0 for a finite t and NaN for inf or NaN. (A
-// std::all_of over isfinite compiled to a scalar loop that took ~3% of a small batch's mean.)
-inline bool all_finite(const double* values, int64_t n) {
-  using VD = Vec<double>;
-  int64_t i = 0;
-  typename Vec<int64_t>::Native bad{};
-  for (; i + VD::size() <= n; i += VD::size()) {
-    const VD t = VD::loadu(values + i);
-    bad |= (t.v - t.v) != 0.0;
-  }
-  for (; i < n; ++i) {
-    if (!std::isfinite(values[i])) {
-      return false;
-    }
-  }
-  return !any_lane(bad);
-}
-
 template <typename scalar_t>
 struct SumReducer {
   using acc = acc_t<scalar_t>;

@@ -938,6 +938,8 @@ def test_backward_ops_called_with_offsets_that_do_not_cover_the_rows_raise(name,
         "attention_pool_backward": lambda: torch.ops.lmk_ops.attention_pool_backward(
             grad, None, hidden, None, query, out, stats, None, bad, None),
     }
-    message = rf"^lmk_ops\.{name}: expected (cu_seqlens\[-1\] = T = 10 \(hidden's rows\)|non-decreasing cu_seqlens)"
+    # T is the backward op's seq_len argument, or hidden's rows where it takes hidden (attention).
+    rows = "hidden's rows" if name == "attention_pool_backward" else "seq_len"
+    message = rf"^lmk_ops\.{name}: expected (cu_seqlens\[-1\] = T = 10 \({rows}\)|non-decreasing cu_seqlens)"
     with pytest.raises(RuntimeError, match=message):
         calls[name]()

@@ -21,7 +21,7 @@ std::string message(const char* op, const std::string& expected) {
 // failure names the entry (check_range's message). On the CPU plain loops over the B + 1 offsets decide, and only a
 // bad batch goes on to check_range, which then raises (four kernel calls would cost more than a first_token_pool's
 // work); elsewhere check_range checks on the device, without synchronising.
-void check_offsets(const char* op, const PackedBatch& packed, const Tensor& like) {
+void check_offsets(const char* op, const PackedBatch& packed, const Tensor& like, const char* tokens_are) {
   const int64_t longest = packed.max_seqlen.value_or(std::numeric_limits<int64_t>::max());
   if (takes_host_path(packed.offsets)) {
     const int64_t* o = packed.offsets.const_data_ptr<int64_t>();
@@ -36,7 +36,7 @@ void check_offsets(const char* op, const PackedBatch& packed, const Tensor& like
   const auto entry = [&](int64_t i) { return torch::stable::view(slice(packed.offsets, 0, i, 1), {1, 1}); };
   k.check_range(entry(0), 0, 0, message(op, "expected cu_seqlens[0] = 0"), false);
   k.check_range(entry(packed.batch), packed.tokens, packed.tokens,
-                message(op, "expected cu_seqlens[-1] = T = " + std::to_string(packed.tokens) + " (hidden's rows)"),
+                message(op, "expected cu_seqlens[-1] = T = " + std::to_string(packed.tokens) + " (" + tokens_are + ")"),
                 false);
   if (packed.batch > 0) {
     const Tensor lengths = torch::stable::view(packed.lengths, {1, packed.batch});
@@ -104,7 +104,7 @@ Tensor PackedBatch::count(const Tensor& selected) const {
 }
 
 PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, const Tensor& cu_seqlens,
-                           std::optional<int64_t> max_seqlen, Values values) {
+                           std::optional<int64_t> max_seqlen, Values values, const char* tokens_are) {
   LMK_CHECK(
       cu_seqlens.device() == like.device(), "lmk_ops.", op, ": expected cu_seqlens on the same device as hidden (",
       device_name(like), "), got ", device_name(cu_seqlens));
@@ -147,7 +147,7 @@ PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, c
     packed.lengths = sub(slice(packed.offsets, 0, 1, packed.batch), packed.starts);
   }
   if (values == Values::kCheck) {
-    check_offsets(op, packed, like);
+    check_offsets(op, packed, like, tokens_are);
   }
   return packed;
 }
@@ -162,7 +162,7 @@ PackedBatch prepare_packed_grad(const char* op, const Tensor& grad, int64_t toke
   // The offsets' values are checked as a forward's are (on the CPU a loop over B + 1 values; on CUDA a few
   // device-side checks, no synchronisation): a backward op called directly with offsets that leave [0, T) would
   // otherwise write outside grad_hidden on CUDA, where the kernels take each text's rows from them.
-  PackedBatch packed = prepare_packed(op, tokens, grad, cu_seqlens, std::nullopt, Values::kCheck);
+  PackedBatch packed = prepare_packed(op, tokens, grad, cu_seqlens, std::nullopt, Values::kCheck, "seq_len");
   LMK_CHECK(
       packed.batch == grad.size(0), "lmk_ops.", op, ": expected grad_out with B = ", packed.batch,
       " texts (as cu_seqlens), got shape ", shape_str(grad.sizes()));

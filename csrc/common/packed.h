@@ -45,9 +45,10 @@ struct PackedBatch {
 
 // Validates cu_seqlens for T rows on like's device: int32 or int64 [B + 1], first 0, last T, non-decreasing; and
 // max_seqlen, when given, at least every text's length. Values are checked as prepare_mask checks them (on CUDA
-// without a host synchronisation).
+// without a host synchronisation). tokens_are: what T is, for the message of a wrong last offset.
 PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, const Tensor& cu_seqlens,
-                           std::optional<int64_t> max_seqlen, Values values = Values::kCheck);
+                           std::optional<int64_t> max_seqlen, Values values = Values::kCheck,
+                           const char* tokens_are = "hidden's rows");
 
 // hidden [T, D] (checked as check_packed_hidden does) and its cu_seqlens, checked as prepare_packed does.
 PackedBatch prepare_packed_hidden(const char* op, const Tensor& hidden, const Tensor& cu_seqlens,

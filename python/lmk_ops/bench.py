@@ -18,15 +18,18 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
 import lmk_ops
 from lmk_ops import reference
 
-OPS = {"mean_pool": (lmk_ops.mean_pool, reference.mean_pool), "max_pool": (lmk_ops.max_pool, reference.max_pool)}
+OPS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "mean_pool": (lmk_ops.mean_pool, reference.mean_pool), "max_pool": (lmk_ops.max_pool, reference.max_pool)}
 # Report entries beyond OPS: landmark_mean at a landmark interval (its second argument is the landmark mask of the
 # LMK layout at that interval), and insert_landmarks on a token batch of the case's B x L.
 LANDMARK_ENTRIES = {"landmark_mean@32": 32, "landmark_mean@128": 128}
@@ -65,13 +68,15 @@ def landmark_layout(mask: torch.Tensor, interval: int) -> torch.Tensor:
     return mask.bool() & (((positions % (interval + 1) == 0) & (positions > 0)) | (positions == last))
 
 
-def _with_query(fn):
+def _with_query(fn: Callable[..., Any]) -> Callable[..., Any]:
     """fn(hidden, mask, query) as f(hidden, (mask, query)), the two-argument form the report times."""
     return lambda hidden, mask_and_query: fn(hidden, *mask_and_query)
 
 
 def implementations(op: str) -> dict:
     """The three contenders for an op: lmk_ops, the eager reference, and torch.compile of the reference."""
+    ours: Callable[..., Any]
+    ref: Callable[..., Any]
     if op in OPS:
         ours, ref = OPS[op]
     elif op in ATTENTION_ENTRIES:
@@ -147,7 +152,7 @@ def time_together(fns: dict, device: str, min_time=0.3, min_rounds=3, block_ms=2
             first[name] = call_ms(fn, device)
     turns = {name: fns[name] for name, ms in first.items() if ms <= slow_ms}
     calls = {name: calls_per_sample(first[name], device) for name in turns}
-    samples = {name: [] for name in turns}
+    samples: dict[str, list[float]] = {name: [] for name in turns}
     rounds, spent = 0, 0.0
     while turns and (rounds < min_rounds or spent < min_time * 1e3):
         for name, fn in turns.items():
@@ -218,7 +223,7 @@ class Case:
     second: object  # the op's second argument: rows, or (mask, query) for attention
     grad: torch.Tensor  # the output gradient of forward+backward
 
-    def with_grad(self):
+    def with_grad(self) -> tuple[torch.Tensor, Any]:
         """(hidden, second) for forward+backward: fresh leaves that require grad (hidden, and attention's query)."""
         second = (self.mask, self.second[1].clone().requires_grad_()) if isinstance(self.second, tuple) else self.second
         return self.hidden.clone().requires_grad_(), second
@@ -248,7 +253,8 @@ def _compile_cases(cases, device, padding, threads) -> None:
         compiled = implementations(op)["compiled"]
         with torch.no_grad():
             compiled(case.hidden, case.second)
-        forward_backward(compiled, *case.with_grad(), case.grad)
+        hidden, second = case.with_grad()
+        forward_backward(compiled, hidden, second, case.grad)
         torch._dynamo.reset()
 
 
@@ -363,10 +369,11 @@ def bench_packed(op, dtype_name, spec, device) -> PackedRow:
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     padded, valid, _, _ = reference.padded_view(hidden, None, offsets)
     longest = max(lengths)
-    packed_kw = {"cu_seqlens": offsets, "max_seqlen": longest}
-    landmarks = landmark_layout(valid, 32)[valid] if op == "landmark_mean@32" else None
+    packed_kw: dict[str, Any] = {"cu_seqlens": offsets, "max_seqlen": longest}
+    landmarks = None  # the packed landmark mask, for landmark_mean@32's contenders
     if op == "landmark_mean@32":
-        ours = lambda: lmk_ops.landmark_mean(hidden, landmarks, **packed_kw)  # noqa: E731
+        landmark_rows = landmarks = landmark_layout(valid, 32)[valid]
+        ours = lambda: lmk_ops.landmark_mean(hidden, landmark_rows, **packed_kw)  # noqa: E731
         theirs = lambda: lmk_ops.landmark_mean(padded, landmark_layout(valid, 32))  # noqa: E731
     elif op == "attention_pool@1h":
         query = torch.randn(dim, generator=torch.Generator().manual_seed(2)).to(device, dtype)
@@ -443,7 +450,8 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
         if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
             raise argparse.ArgumentTypeError(f"expected shapes like 32x512x768[,8x4096x1024], sizes >= 1, got "
                                              f"{item!r}")
-        shapes.append(tuple(int(p) for p in parts))
+        batch, length, dim = (int(p) for p in parts)
+        shapes.append((batch, length, dim))
     return shapes
 
 

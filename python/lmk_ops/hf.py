@@ -101,12 +101,12 @@ def _sentence_end_flags(offsets: torch.Tensor, attention_mask: torch.Tensor, end
             continue
         positions = content[b].nonzero().squeeze(1)
         starts = offsets[b, positions, 0]
-        text_ends = torch.as_tensor(text_ends, dtype=starts.dtype)
+        end_offsets = torch.as_tensor(text_ends, dtype=starts.dtype)
         if bool((starts[1:] >= starts[:-1]).all()):
-            last = torch.searchsorted(starts, text_ends, side="left") - 1  # the tokens starting before each end
+            last = torch.searchsorted(starts, end_offsets, side="left") - 1  # the tokens starting before each end
         else:
             last = torch.stack([(starts < end).nonzero().max() if bool((starts < end).any()) else starts.new_tensor(-1)
-                                for end in text_ends])
+                                for end in end_offsets])
         flags[b, positions[last[last >= 0]]] = True
     return flags
 
@@ -199,7 +199,7 @@ def tokenize_with_landmarks(
         if isinstance(texts, (bytes, bytearray)):  # iterable, but as ints
             raise TypeError
         one_text = isinstance(texts, str)
-        texts = [texts] if one_text else list(texts)
+        texts = [texts] if isinstance(texts, str) else list(texts)
     except TypeError:  # not iterable: an int, None
         raise ValueError(f"lmk_ops.hf.tokenize_with_landmarks: expected a string or a non-empty list of strings, got "
                          f"{type(texts).__name__}") from None
@@ -215,12 +215,11 @@ def tokenize_with_landmarks(
     cut = cut_before_insertion(max_length, layout)
     encoded = tokenizer(texts, padding=True, truncation=cut is not None, max_length=cut, return_tensors="pt",
                         verbose=False, return_offsets_mapping=want_offsets)
-    per_text_ends = _sentence_ends_of_texts(texts, sentence_ends, one_text) if want_offsets else None
-    every = interval
+    every: int | torch.Tensor = interval
     if training_intervals is not None:
         every = sample_intervals(len(texts), training_intervals, generator=generator)
-    flags = _sentence_end_flags(encoded["offset_mapping"], encoded["attention_mask"], per_text_ends) \
-        if want_offsets else None
+    flags = _sentence_end_flags(encoded["offset_mapping"], encoded["attention_mask"],
+                                _sentence_ends_of_texts(texts, sentence_ends, one_text)) if want_offsets else None
     batch = insert_for_tokenizer(tokenizer, encoded["input_ids"], encoded["attention_mask"],
                                  landmark_id=landmark_token_id(tokenizer, landmark_token), layout=layout,
                                  interval=every, sentence_ends=flags, max_length=max_length)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import Tensor
@@ -116,6 +116,10 @@ def _offsets_from_position_ids(hidden: Tensor, position_ids: Any) -> Tensor | No
     return torch.cat([starts, starts.new_tensor([ids.shape[0]])])
 
 
+@overload
+def _flat(mask: Tensor, packed: dict) -> Tensor: ...
+@overload
+def _flat(mask: Tensor | None, packed: dict) -> Tensor | None: ...
 def _flat(mask: Tensor | None, packed: dict) -> Tensor | None:
     """A token mask as the layout needs it: [T] for a packed batch ([1, T] flattened features squeezed)."""
     if mask is None or not packed:
@@ -217,7 +221,7 @@ class Pooling(torch.nn.Module):
         self.mode = mode
         self.normalize = bool(normalize)
         self.include_prompt = bool(include_prompt)
-        self.attention = AttentionPooling(dim, heads) if mode == "attention" else None
+        self.attention = AttentionPooling(dim, heads) if mode == "attention" and dim is not None else None
 
     def extra_repr(self) -> str:
         return f"mode={self.mode!r}, normalize={self.normalize}" + (
@@ -246,14 +250,15 @@ class Pooling(torch.nn.Module):
                 raise ValueError("lmk_ops.nn.Pooling(mode='lmk'): expected a landmark_mask in the batch or as a "
                                  "keyword (lmk_ops.insert_landmarks or lmk_ops.hf.tokenize_with_landmarks make one)")
             landmarks = _landmark_mask(landmarks, packed)
-            if prompt is not None and isinstance(landmarks, Tensor) and landmarks.shape == mask.shape:
+            if prompt is not None and mask is not None and isinstance(landmarks, Tensor) and (
+                    landmarks.shape == mask.shape):
                 landmarks = landmarks & mask
             return ops.landmark_mean(hidden, landmarks, normalize=self.normalize, **packed)
         if self.mode == "mean":
             return ops.mean_pool(hidden, mask, normalize=self.normalize, **packed)
         if self.mode == "max":
             return ops.max_pool(hidden, mask, normalize=self.normalize, **packed)
-        if self.mode == "attention":
+        if self.attention is not None:  # mode "attention"
             pooled = self.attention(hidden, attention_mask=mask, **packed)
         elif self.mode == "mean_sqrt_len_tokens":
             pooled = _mean_sqrt_len(hidden, mask, packed)
@@ -362,7 +367,7 @@ def _weighted_mean(hidden: Tensor, mask: Tensor | None, packed: dict,
     check_call(op, hidden, mask=mask, **packed)
     wide = torch.promote_types(hidden.dtype, torch.float32)
     valid, rank, _ = ranks if ranks is not None else _valid_ranks(op, hidden, mask, packed)
-    kept = valid if ranks is None else mask
+    kept = valid if ranks is None or mask is None else mask  # with ranks, mask holds the tokens past the prompt
     weights = (rank * kept).to(wide).unsqueeze(-1)
     mean = ops.mean_pool(hidden.to(wide) * weights, kept, **packed)
     count = _valid_counts(hidden, valid, packed).to(wide).unsqueeze(1)

@@ -52,8 +52,16 @@ class LandmarkTransformer(Transformer):
         super().__init__(model_name_or_path, **kwargs)
         self.landmark_token = landmark_token
         self.interval = int(interval)
-        self._landmark_id = landmark_token_id(self.tokenizer, landmark_token)
-        self._layout = special_token_layout(self.tokenizer)
+        self._landmark_id = landmark_token_id(self._text_tokenizer(), landmark_token)
+        self._layout = special_token_layout(self._text_tokenizer())
+
+    def _text_tokenizer(self) -> Any:
+        """The model's tokenizer: landmarks go into token ids, so a model without one (sentence-transformers gives
+        None for a processor that is not a text one) is refused."""
+        if self.tokenizer is None:
+            raise ValueError(f"lmk_ops.sentence_transformers.LandmarkTransformer: expected a text model with a "
+                             f"tokenizer, got a processor of type {type(getattr(self, 'processor', None)).__name__}")
+        return self.tokenizer
 
     def preprocess(self, inputs, prompt=None, processing_kwargs=None, **kwargs) -> dict[str, Any]:
         # Landmarks go in first and the result is truncated after, so the tokenizer cuts only what that truncation
@@ -69,7 +77,7 @@ class LandmarkTransformer(Transformer):
         if "input_ids" not in features:
             return features
         batch = insert_for_tokenizer(
-            self.tokenizer, features["input_ids"], features["attention_mask"], landmark_id=self._landmark_id,
+            self._text_tokenizer(), features["input_ids"], features["attention_mask"], landmark_id=self._landmark_id,
             layout=self._layout, interval=self.interval, max_length=max_length)
         features.update(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                         landmark_mask=batch.landmark_mask)
@@ -86,7 +94,7 @@ class LandmarkTransformer(Transformer):
         token if special: with the SEP token as the landmark, one token short where the prompt fills its last
         chunk, whose landmark is then the text's closing [SEP].) A pooling module with include_prompt=False leaves
         these tokens out."""
-        content = len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        content = len(self._text_tokenizer()(prompt, add_special_tokens=False)["input_ids"])
         return self._layout[0] + content + content // self.interval
 
     def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
@@ -140,8 +148,8 @@ class LandmarkPooling(Module):
     def load(cls, model_name_or_path: str, subfolder: str = "", token: bool | str | None = None,
              cache_folder: str | None = None, revision: str | None = None, local_files_only: bool = False,
              init_defaults: dict[str, Any] | None = None, **kwargs) -> LandmarkPooling:
-        hub = {"subfolder": subfolder, "token": token, "cache_folder": cache_folder, "revision": revision,
-               "local_files_only": local_files_only}
+        hub: dict[str, Any] = {"subfolder": subfolder, "token": token, "cache_folder": cache_folder,
+                               "revision": revision, "local_files_only": local_files_only}
         module = super().load(model_name_or_path, init_defaults=init_defaults, **hub, **kwargs)  # from its config
         if module.mode == "attention":
             module = cls.load_torch_weights(model_name_or_path, model=module, **hub)

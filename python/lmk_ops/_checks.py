@@ -78,37 +78,42 @@ def check_flag(op: str, name: str, value) -> bool:
     return bool(value)
 
 
-def check_call(op: str, hidden, *, max_seqlen=None, **others) -> None:
-    """What the public functions check before calling an op, where the dispatcher would fail unclearly or silently:
-    hidden that is not a dense strided tensor, other tensor arguments (by name; query and landmarks required, the
-    rest optional) that are not tensors, a max_seqlen that is not an int >= 0, and differentiation modes the ops do
-    not support (forward mode, and torch.func's grad transforms, which need functorch-aware autograd). torch.vmap
-    works, and so does reverse mode."""
+def call_problem(hidden, max_seqlen, others: dict) -> str | None:
+    """What is wrong with a public function's arguments where the dispatcher would fail unclearly (a TypeError, or a
+    missing-kernel error for a nested, quantized or sparse tensor): hidden that is not a dense strided tensor, other
+    tensor arguments (by name; query and landmarks required, the rest optional) that are not tensors, a max_seqlen
+    that is not an int >= 0. None when nothing is."""
     if not isinstance(hidden, torch.Tensor):
-        fail(op, f"expected hidden to be a tensor [B, L, D], got {_type_name(hidden)}")
+        return f"expected hidden to be a tensor [B, L, D], got {_type_name(hidden)}"
     if max_seqlen is not None and not isinstance(max_seqlen, torch.SymInt) and (
             not is_integer(max_seqlen) or max_seqlen < 0):
-        fail(op, f"expected max_seqlen as an int in [0, 2**63) (or None), got {max_seqlen!r}")
+        return f"expected max_seqlen as an int in [0, 2**63) (or None), got {max_seqlen!r}"
     for name, value in others.items():
         required = name in ("query", "landmarks")
         if not isinstance(value, torch.Tensor) and (required or value is not None):
-            fail(op, f"expected {name} to be a tensor{'' if required else ' or None'}, got {_type_name(value)}")
+            return f"expected {name} to be a tensor{'' if required else ' or None'}, got {_type_name(value)}"
     if hidden.is_nested:
-        fail(op, "expected hidden as a dense [B, L, D] tensor, got a nested tensor (pad it with "
-             "hidden.to_padded_tensor(0.0) and pass a mask)")
+        return ("expected hidden as a dense [B, L, D] tensor, got a nested tensor (pad it with "
+                "hidden.to_padded_tensor(0.0) and pass a mask)")
     if hidden.is_quantized:
-        fail(op, f"expected hidden of dtype float16, bfloat16, float32 or float64, got a quantized tensor "
-             f"({dtype_name(hidden.dtype)}): dequantize it first")
+        return (f"expected hidden of dtype float16, bfloat16, float32 or float64, got a quantized tensor "
+                f"({dtype_name(hidden.dtype)}): dequantize it first")
     if hidden.layout != torch.strided:
-        fail(op, f"expected hidden as a dense (strided) tensor, got layout {hidden.layout} (convert it with "
-             f"to_dense())")
-    if torch.compiler.is_compiling():
-        return
-    tensors = [t for t in (hidden, *others.values()) if isinstance(t, torch.Tensor)]
+        return f"expected hidden as a dense (strided) tensor, got layout {hidden.layout} (convert it with to_dense())"
+    return None
+
+
+def check_modes(op: str, hidden, others: dict) -> None:
+    """Refuses the differentiation modes the ops do not support, which would otherwise give silently wrong results:
+    forward mode (zero tangents), and torch.func's grad transforms, which need functorch-aware autograd. torch.vmap
+    works, and so does reverse mode. Two cheap tests decide the usual call (no dual level, no transform)."""
     if _forward_ad.__dict__.get("_current_level", -1) >= 0 and any(
-            _forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+            _forward_ad.unpack_dual(t).tangent is not None for t in (hidden, *others.values())
+            if isinstance(t, torch.Tensor)):
         fail(op, "forward-mode AD is not supported (torch.autograd.forward_ad, torch.func.jvp, jacfwd); use "
              "reverse mode (torch.autograd.grad, .backward())")
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return
     transforms = {i.key() for i in torch._C._functorch.get_interpreter_stack() or ()}
     if torch._C._functorch.TransformType.Jvp in transforms:
         fail(op, "forward-mode AD is not supported (torch.func.jvp, jacfwd, hessian); use reverse mode "
@@ -116,6 +121,16 @@ def check_call(op: str, hidden, *, max_seqlen=None, **others) -> None:
     if torch._C._functorch.TransformType.Grad in transforms:
         fail(op, "torch.func.grad, vjp and jacrev are not supported; use torch.autograd.grad or .backward() "
              "(torch.vmap works)")
+
+
+def check_call(op: str, hidden, *, max_seqlen=None, **others) -> None:
+    """Everything a public function checks before calling an op: call_problem, then (outside torch.compile, whose
+    tracing sees no dual tensors or transforms) check_modes."""
+    problem = call_problem(hidden, max_seqlen, others)
+    if problem is not None:
+        fail(op, problem)
+    if not torch.compiler.is_compiling():
+        check_modes(op, hidden, others)
 
 
 def check_hidden(op: str, hidden: torch.Tensor, max_seqlen=None) -> None:

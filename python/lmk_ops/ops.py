@@ -8,8 +8,8 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
-from ._checks import check_call, check_flag, check_hidden, check_landmarks, check_mask, check_packed
-from ._checks import check_offsets, check_packed_mask, check_scale_type, fail, is_integer, values_known
+from ._checks import call_problem, check_call, check_flag, check_hidden, check_landmarks, check_mask, check_modes
+from ._checks import check_offsets, check_packed, check_packed_mask, check_scale_type, fail, is_integer, values_known
 from ._dispatch import call as _call
 
 __all__ = [
@@ -49,9 +49,9 @@ def mean_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = F
         RuntimeError: starting ``lmk_ops.mean_pool:`` for hidden that is not 3-D floating point, a mask of
         another shape, device or dtype (float), or mask values other than 0/1.
     """
-    check_call("mean_pool", hidden, mask=mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     normalize = check_flag("mean_pool", "normalize", normalize)
-    return _call(torch.ops.lmk_ops.mean_pool, hidden, mask, normalize, cu_seqlens, max_seqlen)[0]
+    return _checked_call("mean_pool", torch.ops.lmk_ops.mean_pool, (hidden, mask, normalize, cu_seqlens, max_seqlen),
+                         mask=mask, cu_seqlens=cu_seqlens)[0]
 
 
 # What max_pool returns, for type checkers: the values alone, or with return_indices=True also the positions.
@@ -86,10 +86,11 @@ def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = Fa
     Raises:
         RuntimeError: starting ``lmk_ops.max_pool:``, as for :func:`mean_pool`.
     """
-    check_call("max_pool", hidden, mask=mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     normalize = check_flag("max_pool", "normalize", normalize)
     return_indices = check_flag("max_pool", "return_indices", return_indices)
-    values, argmax, _ = _call(torch.ops.lmk_ops.max_pool, hidden, mask, normalize, cu_seqlens, max_seqlen)
+    values, argmax, _ = _checked_call("max_pool", torch.ops.lmk_ops.max_pool,
+                                      (hidden, mask, normalize, cu_seqlens, max_seqlen), mask=mask,
+                                      cu_seqlens=cu_seqlens)
     return (values, argmax) if return_indices else values
 
 
@@ -120,9 +121,32 @@ def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False,
         device, or a position outside ``[0, L)`` other than -1 (the message names the row and the entry; nothing
         outside hidden is ever read).
     """
-    check_call("landmark_mean", hidden, landmarks=landmarks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     normalize = check_flag("landmark_mean", "normalize", normalize)
-    return _call(torch.ops.lmk_ops.landmark_mean, hidden, landmarks, normalize, cu_seqlens, max_seqlen)[0]
+    return _checked_call("landmark_mean", torch.ops.lmk_ops.landmark_mean,
+                         (hidden, landmarks, normalize, cu_seqlens, max_seqlen), landmarks=landmarks,
+                         cu_seqlens=cu_seqlens)[0]
+
+
+def _checked_call(name: str, op, args: tuple, **others):
+    """op(*args) for the public function `name` (args: hidden first, max_seqlen last; others: the other tensor
+    arguments by name), with check_call's checks: all of them first while compiling (the fake kernels see the
+    inputs first), and the differentiation modes always; otherwise the structural ones (call_problem) once the op
+    has failed, to turn the dispatcher's unclear error for a list, a nested or a sparse tensor into an lmk_ops one.
+    Taken first, they cost a small call a third of its time (first_token_pool of one row: 17 -> 11 µs)."""
+    hidden, max_seqlen = args[0], args[-1]
+    if torch.compiler.is_compiling():
+        check_call(name, hidden, max_seqlen=max_seqlen, **others)
+        return _call(op, *args)
+    check_modes(name, hidden, others)
+    if max_seqlen is not None and type(max_seqlen) is not int:  # a bool or a float would pass the dispatcher
+        check_call(name, hidden, max_seqlen=max_seqlen, **others)
+    try:
+        return _call(op, *args)
+    except (TypeError, NotImplementedError, RuntimeError):
+        problem = call_problem(hidden, max_seqlen, others)
+        if problem is None:
+            raise
+    raise RuntimeError(f"lmk_ops.{name}: {problem}")
 
 
 def _packed_texts(cu_seqlens: Tensor, tokens: int, op: str):
@@ -267,8 +291,8 @@ def first_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: 
     Args and errors as :func:`mean_pool` (packed batches too). Returns ``[B, D]``; a text with no valid token gives
     zeros. The gradient goes to that one token.
     """
-    check_call("first_token_pool", hidden, mask=mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-    return _call(torch.ops.lmk_ops.token_pool, hidden, mask, False, cu_seqlens, max_seqlen)[0]
+    return _checked_call("first_token_pool", torch.ops.lmk_ops.token_pool,
+                         (hidden, mask, False, cu_seqlens, max_seqlen), mask=mask, cu_seqlens=cu_seqlens)[0]
 
 
 def last_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: Tensor | None = None,
@@ -278,8 +302,8 @@ def last_token_pool(hidden: Tensor, mask: Tensor | None = None, *, cu_seqlens: T
     Args and errors as :func:`mean_pool` (packed batches too). Returns ``[B, D]``; a text with no valid token gives
     zeros.
     """
-    check_call("last_token_pool", hidden, mask=mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-    return _call(torch.ops.lmk_ops.token_pool, hidden, mask, True, cu_seqlens, max_seqlen)[0]
+    return _checked_call("last_token_pool", torch.ops.lmk_ops.token_pool,
+                         (hidden, mask, True, cu_seqlens, max_seqlen), mask=mask, cu_seqlens=cu_seqlens)[0]
 
 
 def bool_mask(op: str, mask: Tensor) -> Tensor:
@@ -357,11 +381,11 @@ def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale:
         RuntimeError: starting ``lmk_ops.attention_pool:`` for a bad hidden or mask (as :func:`mean_pool`), hidden
         with ``D = 0``, a query of another shape, dtype or device, or a scale that is not finite.
     """
-    check_call("attention_pool", hidden, mask=mask, query=query, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     return_weights = check_flag("attention_pool", "return_weights", return_weights)
     check_scale_type("attention_pool", scale)
-    out, _, weights = _call(torch.ops.lmk_ops.attention_pool, hidden, mask, query, scale, return_weights, cu_seqlens,
-                            max_seqlen)
+    out, _, weights = _checked_call("attention_pool", torch.ops.lmk_ops.attention_pool,
+                                    (hidden, mask, query, scale, return_weights, cu_seqlens, max_seqlen), mask=mask,
+                                    query=query, cu_seqlens=cu_seqlens)
     if not return_weights:
         return out
     return out, weights.squeeze(-2 if cu_seqlens is None else 0) if query.dim() == 1 else weights

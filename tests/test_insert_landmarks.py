@@ -11,23 +11,30 @@ from hypothesis import strategies as st
 
 import lmk_ops
 from lmk_ops import reference
+from devices import DEVICES
 
 CLS, SEP, PAD = 101, 102, 0
 
 
 @st.composite
 def token_batches(draw):
-    """A tokenizer-like batch: [CLS] content [SEP] per row (content may be empty), padded on one side."""
+    """A tokenizer-like batch: [CLS] content [SEP] per row (content may be empty), padded on one side; a row may be
+    padding alone, and the ids int64 or int32, the mask int64 or bool."""
     batch, gen = draw(st.integers(1, 6)), torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     lengths = torch.randint(0, draw(st.integers(0, 120)) + 1, (batch,), generator=gen)
     width = int(lengths.max()) + 2
     left = draw(st.booleans())
+    only_padding = draw(st.sets(st.integers(0, batch - 1), max_size=batch - 1))
     ids = torch.full((batch, width), PAD)
     mask = torch.zeros(batch, width, dtype=torch.long)
     for b, n in enumerate(lengths.tolist()):
+        if b in only_padding:
+            continue
         row = torch.cat([torch.tensor([CLS]), torch.randint(1000, 30000, (n,), generator=gen), torch.tensor([SEP])])
         span = slice(width - len(row), width) if left else slice(0, len(row))
         ids[b, span], mask[b, span] = row, 1
+    ids = ids.to(draw(st.sampled_from([torch.int64, torch.int32])))
+    mask = mask.to(draw(st.sampled_from([torch.int64, torch.bool])))
     options = {
         "landmark_id": draw(st.sampled_from([SEP, 7])),  # reusing SEP, or a dedicated token
         "interval": draw(st.one_of(st.integers(1, 40), st.just("per-row"))),
@@ -59,7 +66,7 @@ def test_matches_the_per_row_reference(case):
     out = lmk_ops.insert_landmarks(ids, mask, **options)
     ref_ids, ref_mask, ref_landmarks = reference.insert_landmarks(ids, mask, **options)
     assert torch.equal(out.input_ids, ref_ids) and torch.equal(out.attention_mask, ref_mask)
-    assert torch.equal(out.landmark_mask, ref_landmarks)
+    assert torch.equal(out.landmark_mask, ref_landmarks) and out.input_ids.dtype == ids.dtype
     assert torch.equal(ids, before[0]) and torch.equal(mask, before[1]), "an input was modified"
 
 
@@ -82,6 +89,9 @@ def test_layout_rules(case):
         row_in = ids[b][mask[b].bool()].tolist()
         row = out.input_ids[b][out.attention_mask[b].bool()].tolist()
         flags = out.landmark_mask[b][out.attention_mask[b].bool()].tolist()
+        if not row_in:
+            assert not row, "a row of padding alone stays empty (it pools to zeros)"
+            continue
         every = int(interval[b]) if isinstance(interval, torch.Tensor) else interval
         content = row_in[1:-1]
         assert max_length is None or len(row) <= max_length
@@ -152,7 +162,9 @@ def test_training_intervals_are_reproducible_and_used_per_row():
     ({"interval": torch.tensor([4])}, r"expected per-row intervals as a \[B\] = \[2\] tensor"),
     ({"attention_mask": torch.ones(2, 3, dtype=torch.long)}, r"expected attention_mask of shape \[2, 4\]"),
     ({"attention_mask": torch.ones(2, 4)}, r"expected attention_mask as a bool or integer 0/1 tensor, got torch.float32"),
-    ({"attention_mask": torch.full((2, 4), 2)}, r"expected attention_mask values 0 or 1"),
+    ({"attention_mask": torch.full((2, 4), 2)}, r"expected attention_mask values 0 or 1, got 2 at \[0, 0\]"),
+    ({"sentence_ends": torch.tensor([[0, 0, 1, 0], [0, -1, 0, 0]])},
+     r"expected sentence_ends values 0 or 1, got -1 at \[1, 1\]"),
     ({"padding_side": "middle"}, r"expected padding_side 'left', 'right' or None"),
 ])
 def test_bad_arguments(bad, pattern):
@@ -210,3 +222,49 @@ def test_sentence_end_flags_mark_the_last_token_starting_before_each_end(seed, i
             if before:
                 want[b, before[-1]] = True
     assert torch.equal(hf._sentence_end_flags(offsets, mask, ends), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inputs_on_a_device_give_the_same_batch_on_that_device(device):
+    """The op runs on the host: device inputs go over and the batch comes back, the same as from the CPU."""
+    ids = torch.tensor([[CLS, 11, 12, 13, 14, SEP, PAD], [PAD, PAD, CLS, 15, 16, 17, SEP]])
+    mask = (ids != PAD).long()
+    ends = torch.zeros_like(ids, dtype=torch.bool)
+    ends[0, 2] = True
+    for options in ({"interval": 2}, {"interval": torch.tensor([1, 3])}, {"sentence_ends": ends},
+                    {"interval": 2, "max_length": 4, "keep_trailing": True}):
+        on_host = lmk_ops.insert_landmarks(ids, mask, landmark_id=7, **options)
+        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in options.items()}
+        there = lmk_ops.insert_landmarks(ids.to(device), mask.to(device), landmark_id=7, **moved)
+        for key in on_host.keys():
+            assert there[key].device == torch.device(device) and torch.equal(there[key].cpu(), on_host[key])
+
+
+def test_the_op_checks_what_it_is_called_with_directly():
+    """torch.ops.lmk_ops.insert_landmarks trusts nothing that would read outside its inputs or divide by zero."""
+    op = torch.ops.lmk_ops.insert_landmarks
+    ids = torch.tensor([[CLS, 11, 12, SEP]])
+    usual = (ids, None, None, None, 2, 7, 0, 1, 1, False, None, None)
+    call = lambda *changed: op(*changed, *usual[len(changed):])  # noqa: E731
+    for args, pattern in [
+        ((ids.float(),), r"expected input_ids as an integer CPU tensor \[B, L\], got Float"),
+        ((ids, torch.ones(1, 3, dtype=torch.long)), r"expected attention_mask of shape \[B, L\] = \[1, 4\]"),
+        ((ids, None, torch.ones(1, 4)), r"expected sentence_ends of dtype bool or an integer dtype"),
+        ((ids, None, None, torch.tensor([0])), r"expected per-row intervals >= 1"),
+        ((ids, None, None, torch.tensor([1, 2])),
+         r"expected per-row intervals as an integer CPU tensor \[B\] = \[1\]"),
+        ((ids, None, None, None, 0),
+         r"expected num_leading >= 0, num_trailing >= 0, interval >= 1 and max_length >= 1, got 1, 1, 0 and 1"),
+        ((ids, None, None, None, 2, 7, 0, -1), r"expected num_leading >= 0, .* got -1, 1, 2 and 1"),
+        ((ids, None, None, None, 2, 7, 0, 1, 1, False, None, "up"), r"expected padding_side 'left', 'right' or None"),
+    ]:
+        with pytest.raises(RuntimeError, match=rf"^lmk_ops\.insert_landmarks: {pattern}"):
+            call(*args)
+
+
+def test_opcheck_insert_landmarks():
+    """Schema, fake kernel (the width is a data-dependent size) and the dispatcher's checks."""
+    ids = torch.tensor([[CLS, 5, 6, 7, SEP, PAD], [CLS, 5, SEP, PAD, PAD, PAD]])
+    for args in ((ids, (ids != PAD).long(), None, torch.tensor([1, 2]), 1, 7, 0, 1, 1, False, None, None),
+                 (ids.int(), None, ids == 6, None, 2, 7, 0, 1, 1, True, 5, "left")):
+        torch.library.opcheck(torch.ops.lmk_ops.insert_landmarks.default, args)

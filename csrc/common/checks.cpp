@@ -70,21 +70,22 @@ Tensor prepare_mask(
     int64_t batch,
     int64_t seq_len,
     const Tensor& like,
-    Values values) {
+    Values values,
+    const char* name) {
   if (!mask.has_value() || !mask->defined()) {
     return Tensor();
   }
   const Tensor& m = *mask;
   LMK_CHECK(
-      m.device() == like.device(), "lmk_ops.", op, ": expected mask on the same device as hidden (", device_name(like),
-      "), got ", device_name(m));
+      m.device() == like.device(), "lmk_ops.", op, ": expected ", name, " on the same device as hidden (",
+      device_name(like), "), got ", device_name(m));
   LMK_CHECK(
-      m.dim() == 2 && m.size(0) == batch && m.size(1) == seq_len, "lmk_ops.", op, ": expected mask of shape [B, L] = [",
-      batch, ", ", seq_len, "], got ", shape_str(m.sizes()));
+      m.dim() == 2 && m.size(0) == batch && m.size(1) == seq_len, "lmk_ops.", op, ": expected ", name,
+      " of shape [B, L] = [", batch, ", ", seq_len, "], got ", shape_str(m.sizes()));
   const auto t = m.scalar_type();
   LMK_CHECK(
-      t == ScalarType::Bool || is_integral(t), "lmk_ops.", op,
-      ": expected mask of dtype bool or an integer dtype holding 0/1, got ", t);
+      t == ScalarType::Bool || is_integral(t), "lmk_ops.", op, ": expected ", name,
+      " of dtype bool or an integer dtype holding 0/1, got ", t);
   if (t == ScalarType::Bool) {
     return as_contiguous(m);
   }
@@ -92,7 +93,7 @@ Tensor prepare_mask(
   // token ids passed by accident), so say so instead of treating it as "nonzero = valid".
   // The device's range check: raises on the CPU, a device-side assertion on CUDA (common/kernel_types.h).
   const auto check_values = [&](const Tensor& as_long) {
-    kernels_for(m).check_range(as_long, 0, 1, std::string("lmk_ops.") + op + ": expected mask values 0 or 1",
+    kernels_for(m).check_range(as_long, 0, 1, std::string("lmk_ops.") + op + ": expected " + name + " values 0 or 1",
                                /*landmarks=*/false);
   };
   if (takes_host_path(m)) {  // one pass that checks and converts, where the generic form costs several operator calls

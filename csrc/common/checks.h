@@ -34,14 +34,15 @@ enum class Values { kCheck, kTrusted };
 
 // Validates an attention mask against [batch, seq_len] and like's device. Accepts bool or integer tensors whose
 // values are 0 or 1 (a Hugging Face attention_mask). Returns it as a contiguous bool tensor, or an undefined tensor
-// when no mask was given (every token valid).
+// when no mask was given (every token valid). Errors name op and the argument as name.
 Tensor prepare_mask(
     const char* op,
     const std::optional<Tensor>& mask,
     int64_t batch,
     int64_t seq_len,
     const Tensor& like,
-    Values values = Values::kCheck);
+    Values values = Values::kCheck,
+    const char* name = "mask");
 
 // Validates landmarks against [batch, seq_len] and like's device: a bool mask [B, L], or int64 positions [B, K]
 // holding -1 (no landmark) or a position in [0, seq_len). Returns the one that was given, contiguous.

@@ -153,6 +153,16 @@ def _packed_offsets_fake(cu_seqlens, tokens, max_seqlen, op):
     return cu_seqlens.new_empty(cu_seqlens.shape, dtype=torch.int64)
 
 
+@torch.library.register_fake("lmk_ops::insert_landmarks")
+def _insert_landmarks_fake(input_ids, attention_mask, sentence_ends, intervals, interval, landmark_id, pad_id,
+                           num_leading, num_trailing, keep_trailing, max_length, padding_side):
+    # The new rows' width depends on the values.
+    width = torch.library.get_ctx().new_dynamic_size()
+    shape = (input_ids.shape[0], width)
+    return (input_ids.new_empty(shape), input_ids.new_empty(shape, dtype=torch.int64),
+            input_ids.new_empty(shape, dtype=torch.bool))
+
+
 @torch.library.register_fake("lmk_ops::attention_pool")
 def _attention_pool_fake(hidden, mask, query, scale=None, return_weights=False, cu_seqlens=None, max_seqlen=None):
     op = "attention_pool"

@@ -54,6 +54,13 @@ SCHEMAS = [
     # and returns (grad_hidden, grad_query).
     "attention_pool(Tensor hidden, Tensor? mask, Tensor query, float? scale=None, bool return_weights=False, "
     "Tensor? cu_seqlens=None, SymInt? max_seqlen=None) -> (Tensor, Tensor, Tensor)",
+    # The landmark layout of a padded batch of token ids (lmk_ops.insert_landmarks, which checks the arguments and
+    # brings device tensors to the host: the op runs on the CPU only). intervals: int64 [B] per row, or None for
+    # interval in every row; padding_side None keeps the input's. Returns (input_ids in their dtype, attention_mask
+    # int64, landmark_mask bool), [B, W] with W the longest new row.
+    "insert_landmarks(Tensor input_ids, Tensor? attention_mask, Tensor? sentence_ends, Tensor? intervals, "
+    "int interval, int landmark_id, int pad_id, int num_leading, int num_trailing, bool keep_trailing, "
+    "int? max_length, str? padding_side) -> (Tensor, Tensor, Tensor)",
     "attention_pool_backward(Tensor grad_out, Tensor? grad_weights, Tensor hidden, Tensor? mask, "
     "Tensor query, Tensor out, Tensor stats, float? scale=None, Tensor? cu_seqlens=None, "
     "SymInt? max_seqlen=None) -> (Tensor, Tensor)",

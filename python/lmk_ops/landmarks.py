@@ -6,8 +6,8 @@ are not chunked; the trailing ones (``[SEP]``) are dropped, since the final land
 it with ``keep_trailing=True``. Either way they are never marked as landmarks, even when the landmark id is the SEP id:
 the returned ``landmark_mask`` says which tokens are landmarks, so nothing downstream has to match ids.
 
-Everything is vectorised over the batch: each content token's new position is its old one plus the number of
-chunk ends before it (a cumulative sum), and one scatter writes the new batch.
+One host op does the work (``csrc/ops/insert_landmarks.cpp``): a loop over each row's tokens lays it out, a second
+writes it.
 """
 
 from __future__ import annotations
@@ -132,13 +132,12 @@ def _fail(message: str) -> None:
 
 
 def _check_flags(name: str, flags, input_ids: Tensor) -> None:
-    """A [B, L] bool or integer 0/1 tensor beside input_ids (attention_mask, sentence_ends)."""
+    """A [B, L] bool or integer tensor beside input_ids (attention_mask, sentence_ends); the op checks that an
+    integer one holds 0/1 as it reads it."""
     if not isinstance(flags, Tensor) or flags.is_floating_point() or flags.is_complex():
         _fail(f"expected {name} as a bool or integer 0/1 tensor, got {getattr(flags, 'dtype', type(flags).__name__)}")
     if flags.shape != input_ids.shape:
         _fail(f"expected {name} of shape {list(input_ids.shape)} (as input_ids), got {list(flags.shape)}")
-    if flags.dtype != torch.bool and bool(((flags != 0) & (flags != 1)).any()):
-        _fail(f"expected {name} values 0 or 1")
 
 
 def _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leading, num_trailing, max_length,
@@ -222,80 +221,18 @@ def insert_landmarks(
     """
     _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leading, num_trailing, max_length,
                   padding_side, landmark_id, pad_id, keep_trailing)
-    keep_trailing = bool(keep_trailing)
+    # One host op writes the new rows (csrc/ops/insert_landmarks.cpp): token ids are small, and the rows' width
+    # depends on their values, so device tensors come over and the result goes back.
     device = input_ids.device
-    batch, seq_len = input_ids.shape
-    valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    if padding_side is None:
-        padding_side = "left" if seq_len and bool((~valid[:, 0] & valid[:, -1]).any()) else "right"
-
-    # Each valid token's rank r within its text; specials at either end, content in between (c = its index).
-    rank = valid.cumsum(1) - 1
-    length = valid.sum(1, keepdim=True)
-    num_lead = length.clamp(max=num_leading)  # a row shorter than num_leading has only those
-    num_content = (length - num_leading - num_trailing).clamp(min=0)
-    lead = valid & (rank < num_leading)
-    content = valid & (rank >= num_leading) & (rank < num_leading + num_content)
-    trail = valid & ~lead & ~content
-    c = rank - num_leading
-
-    # A chunk ends after content token c when the interval says so, at a sentence end, or at the last token.
-    if sentence_ends is not None:
-        ends = sentence_ends.to(device=device, dtype=torch.bool)
-    else:
-        per_row = torch.as_tensor(interval, device=device).reshape(-1, 1)
-        ends = (c + 1) % per_row == 0
-    ends = content & (ends | (c == num_content - 1))
-    ends_before = ends.cumsum(1) - ends.long()  # chunk ends strictly before each token of the text
-    # An empty text (its specials only) still gets one landmark, right after the leading specials; a row of padding
-    # alone stays empty, and pools to zeros.
-    empty = (num_content == 0) & (length > 0)
-    num_landmarks = ends.sum(1, keepdim=True) + empty.long()
-
-    # Positions in the new row, before truncation.
-    body_length = num_lead + num_content + num_landmarks
-    position = rank + ends_before  # leading tokens have no chunk end before them
-    landmark_position = position + 1  # for tokens that end a chunk
-    trailing_count = (length - num_lead - num_content) if keep_trailing else torch.zeros_like(length)
-
-    # Truncation: the body is cut so that body + kept trailing tokens fit; trailing tokens stay at the end.
-    body_limit = body_length
-    if max_length is not None:
-        room = max_length - trailing_count
-        if bool((room < num_lead + 1).any()):
-            _fail(f"expected max_length >= {num_leading} leading + {num_trailing if keep_trailing else 0} trailing "
-                  f"special tokens + 1 landmark, got max_length = {max_length}")
-        body_limit = torch.minimum(body_length, room)
-    row_length = body_limit + trailing_count
-    trail_position = body_limit + (rank - num_lead - num_content)
-
-    width = int(row_length.max()) if batch else 0
-    offset = (width - row_length) if padding_side == "left" else torch.zeros_like(row_length)
-
-    # The new rows are written as one flat buffer with a spare last slot: each write is a scatter of every source
-    # element to its slot (row * width + its column), or to the spare slot where it is not kept. (Boolean-mask
-    # indexing costs a nonzero and an index per tensor: most of a small batch's time.)
-    spare = batch * width
-    row_start = torch.arange(batch, device=device).unsqueeze(1) * width + offset
-
-    def slots(keep: Tensor, column: Tensor) -> Tensor:
-        return torch.where(keep, row_start + column, spare).reshape(-1)
-
-    out_ids = torch.full((spare + 1,), pad_id, dtype=input_ids.dtype, device=device)
-    out_landmarks = torch.zeros((spare + 1,), dtype=torch.bool, device=device)
-    keep_token = (lead | content) & (position < body_limit)
-    out_ids.scatter_(0, slots(keep_token, position), input_ids.reshape(-1))
-    if keep_trailing:
-        out_ids.scatter_(0, slots(trail, trail_position), input_ids.reshape(-1))
-    keep_landmark = ends & (landmark_position < body_limit)
-    out_landmarks.scatter_(0, slots(keep_landmark, landmark_position), True)
-    out_landmarks.scatter_(0, slots(empty, num_lead), True)
-    # A row whose landmarks were all cut: its last kept body position becomes the landmark.
-    none_left = ~(keep_landmark.any(1, keepdim=True) | empty) & (length > 0)
-    out_landmarks.scatter_(0, slots(none_left, body_limit - 1), True)
-    out_landmarks = out_landmarks[:spare].view(batch, width)
-    out_ids = torch.where(out_landmarks, landmark_id, out_ids[:spare].view(batch, width))
-
-    positions = torch.arange(width, device=device)
-    out_mask = (positions >= offset) & (positions < offset + row_length)
-    return LandmarkBatch(out_ids, out_mask.long(), out_landmarks)
+    per_row = interval.to("cpu", torch.long) if isinstance(interval, Tensor) else None
+    try:
+        ids, mask, landmarks = torch.ops.lmk_ops.insert_landmarks(
+            input_ids.cpu(), None if attention_mask is None else attention_mask.cpu(),
+            None if sentence_ends is None else sentence_ends.cpu(), per_row,
+            1 if per_row is not None else int(interval), int(landmark_id), int(pad_id), int(num_leading),
+            int(num_trailing), bool(keep_trailing), None if max_length is None else int(max_length), padding_side)
+    except RuntimeError as error:  # the checks of values: a flag not 0/1, max_length too short for a row's specials
+        if str(error).startswith("lmk_ops.insert_landmarks:"):
+            raise ValueError(str(error)) from None
+        raise
+    return LandmarkBatch(ids.to(device), mask.to(device), landmarks.to(device))

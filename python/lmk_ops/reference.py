@@ -193,13 +193,13 @@ def insert_landmarks(input_ids: Tensor, attention_mask: Tensor | None = None, *,
             if end or i == len(content) - 1:
                 body.append(landmark_id)
                 flags.append(True)
-        if not content:
+        if not content and ids:  # an empty text gets one landmark; a row of padding alone stays empty
             body.append(landmark_id)
             flags.append(True)
         tail = trail if keep_trailing else []
         if max_length is not None and len(body) + len(tail) > max_length:
             body, flags = body[: max_length - len(tail)], flags[: max_length - len(tail)]
-            if not any(flags):
+            if body and not any(flags):
                 body[-1], flags[-1] = landmark_id, True
         rows.append((body + tail, flags + [False] * len(tail)))
     width = max((len(ids) for ids, _ in rows), default=0)

@@ -503,10 +503,14 @@ def test_compiled_token_pools_reject_mask_values_other_than_0_and_1(fn):
     for run in (fn, torch.compile(fn, fullgraph=True)):
         with pytest.raises(Exception, match=r"lmk_ops\.\w+_token_pool: expected mask values 0 or 1, got 2 at \[0, 1\]"):
             run(hidden, mask)
+        # Packed, the [T] mask's own index.
+        with pytest.raises(Exception, match=r"lmk_ops\.\w+_token_pool: expected mask values 0 or 1, got 2 at \[1\]"):
+            run(hidden.view(10, 8), mask.view(10), cu_seqlens=torch.tensor([0, 5, 10]), max_seqlen=5)
 
 
 def test_valid_mask_op_passes_opcheck():
-    for mask in (torch.tensor([[1, 0, 1], [0, 0, 1]]), torch.tensor([[1, 0, 1], [0, 0, 1]], dtype=torch.uint8)):
+    for mask in (torch.tensor([[1, 0, 1], [0, 0, 1]]), torch.tensor([[1, 0, 1], [0, 0, 1]], dtype=torch.uint8),
+                 torch.tensor([1, 0, 1, 1])):
         torch.library.opcheck(torch.ops.lmk_ops.valid_mask.default, (mask, "first_token_pool"))
 
 

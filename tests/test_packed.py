@@ -269,8 +269,15 @@ def test_bad_packed_inputs_name_the_op():
         lmk_ops.mean_pool(hidden, cu_seqlens=offsets, max_seqlen=3)
     with pytest.raises(RuntimeError, match=r"lmk_ops.mean_pool: expected a packed mask of shape \[T\] = \[7\]"):
         lmk_ops.mean_pool(hidden, torch.ones(2, 7, dtype=torch.bool), cu_seqlens=offsets)
-    with pytest.raises(RuntimeError, match=r"lmk_ops.max_pool: expected mask values 0 or 1, got 2"):
-        lmk_ops.max_pool(hidden, torch.tensor([1, 1, 2, 1, 1, 1, 1]), cu_seqlens=offsets)
+    # A bad mask value is reported at its index in the [T] mask.
+    bad_mask = torch.tensor([1, 1, 2, 1, 1, 1, 1])
+    for name, call in [("max_pool", lambda: lmk_ops.max_pool(hidden, bad_mask, cu_seqlens=offsets)),
+                       ("mean_pool", lambda: lmk_ops.mean_pool(hidden, bad_mask, cu_seqlens=offsets)),
+                       ("first_token_pool", lambda: lmk_ops.first_token_pool(hidden, bad_mask, cu_seqlens=offsets)),
+                       ("attention_pool", lambda: lmk_ops.attention_pool(hidden, bad_mask, torch.randn(4),
+                                                                         cu_seqlens=offsets))]:
+        with pytest.raises(RuntimeError, match=rf"^lmk_ops.{name}: expected mask values 0 or 1, got 2 at \[2\]$"):
+            call()
     with pytest.raises(RuntimeError, match=r"lmk_ops.mean_pool: expected packed hidden of shape \[T, D\]"):
         lmk_ops.mean_pool(hidden[None], cu_seqlens=offsets)
     with pytest.raises(RuntimeError, match=r"lmk_ops.landmark_mean: expected landmark positions in \[0, length of "

@@ -76,12 +76,20 @@ Tensor prepare_mask(
     return Tensor();
   }
   const Tensor& m = *mask;
-  LMK_CHECK(
-      m.device() == like.device(), "lmk_ops.", op, ": expected ", name, " on the same device as hidden (",
-      device_name(like), "), got ", device_name(m));
+  check_mask_device(op, m, like, name);
   LMK_CHECK(
       m.dim() == 2 && m.size(0) == batch && m.size(1) == seq_len, "lmk_ops.", op, ": expected ", name,
       " of shape [B, L] = [", batch, ", ", seq_len, "], got ", shape_str(m.sizes()));
+  return mask_as_bool(op, m, values, name);
+}
+
+void check_mask_device(const char* op, const Tensor& mask, const Tensor& like, const char* name) {
+  LMK_CHECK(
+      mask.device() == like.device(), "lmk_ops.", op, ": expected ", name, " on the same device as hidden (",
+      device_name(like), "), got ", device_name(mask));
+}
+
+Tensor mask_as_bool(const char* op, const Tensor& m, Values values, const char* name) {
   const auto t = m.scalar_type();
   LMK_CHECK(
       t == ScalarType::Bool || is_integral(t), "lmk_ops.", op, ": expected ", name,
@@ -98,7 +106,7 @@ Tensor prepare_mask(
   };
   if (takes_host_path(m)) {  // one pass that checks and converts, where the generic form costs several operator calls
     const Tensor as_long = as_contiguous(to_dtype(m, ScalarType::Long));  // no copy for the usual int64 mask
-    Tensor valid = empty_on(m, {batch, seq_len}, ScalarType::Bool);
+    Tensor valid = empty_on(m, m.sizes(), ScalarType::Bool);
     const int64_t* v = as_long.const_data_ptr<int64_t>();
     const int64_t n = as_long.numel();
     if (values == Values::kCheck) {

@@ -44,6 +44,11 @@ Tensor prepare_mask(
     Values values = Values::kCheck,
     const char* name = "mask");
 
+// A mask of any shape (the checks of shape are the caller's) as a contiguous bool tensor of that shape: its dtype
+// bool or integer, an integer one's values 0/1 (a bad one is reported at its index in mask's own shape).
+Tensor mask_as_bool(const char* op, const Tensor& mask, Values values, const char* name = "mask");
+void check_mask_device(const char* op, const Tensor& mask, const Tensor& like, const char* name = "mask");
+
 // Validates landmarks against [batch, seq_len] and like's device: a bool mask [B, L], or int64 positions [B, K]
 // holding -1 (no landmark) or a position in [0, seq_len). Returns the one that was given, contiguous.
 RowSelection prepare_landmarks(

@@ -45,9 +45,9 @@ struct AttentionRows {
 
 // The kernel table of one device (for the CPU, of one capability).
 struct Kernels {
-  // Checks that every value of int64 values [rows, cols] (contiguous) lies in [lo, hi]. Else: "<expected>, got V at
-  // [r, c]" (with landmarks: "<expected>, got V in row r (landmarks[r, c])") for the first value outside, raised at
-  // once on the CPU, and on CUDA printed by a device-side assertion, without synchronising.
+  // Checks that every value of int64 values [rows, cols] or [n] (contiguous) lies in [lo, hi]. Else: "<expected>,
+  // got V at [r, c]" ("at [i]" for [n]; with landmarks: "<expected>, got V in row r (landmarks[r, c])") for the first
+  // value outside, raised at once on the CPU, and on CUDA printed by a device-side assertion, without synchronising.
   void (*check_range)(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, bool landmarks);
   // hidden [B, L, D] with any strides; out [B, D] contiguous, in hidden's dtype or in its accumulation type
   // (float32, float64 for float64), which keeps the mean unrounded for a normalisation that follows.

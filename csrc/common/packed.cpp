@@ -177,8 +177,8 @@ Tensor prepare_packed_mask(const char* op, const std::optional<Tensor>& mask, co
   LMK_CHECK(
       mask->dim() == 1 && mask->size(0) == packed.tokens, "lmk_ops.", op,
       ": expected a packed mask of shape [T] = [", packed.tokens, "], got ", shape_str(mask->sizes()));
-  const Tensor valid = prepare_mask(op, torch::stable::view(*mask, {1, packed.tokens}), 1, packed.tokens, like, values);
-  return torch::stable::view(valid, {packed.tokens});
+  check_mask_device(op, *mask, like);
+  return mask_as_bool(op, *mask, values);
 }
 
 Tensor prepare_packed_positions(const char* op, const Tensor& positions, const PackedBatch& packed,

@@ -221,6 +221,9 @@ void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string
       if (landmarks) {
         ::lmk_ops::fail(expected, ", got ", data[i], " in row ", r, " (landmarks[", r, ", ", c, "])");
       }
+      if (values.dim() == 1) {
+        ::lmk_ops::fail(expected, ", got ", data[i], " at [", i, "]");
+      }
       ::lmk_ops::fail(expected, ", got ", data[i], " at [", r, ", ", c, "]");
     }
   }

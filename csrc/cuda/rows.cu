@@ -189,6 +189,9 @@ __global__ void report_out_of_range(const int64_t* values, int64_t numel, int64_
       printf("%s, got %lld in row %lld (landmarks[%lld, %lld])\n", message.expected,
              static_cast<long long>(values[i]), static_cast<long long>(i / cols), static_cast<long long>(i / cols),
              static_cast<long long>(i % cols));
+    } else if (message.flat) {
+      printf("%s, got %lld at [%lld]\n", message.expected, static_cast<long long>(values[i]),
+             static_cast<long long>(i));
     } else {
       printf("%s, got %lld at [%lld, %lld]\n", message.expected, static_cast<long long>(values[i]),
              static_cast<long long>(i / cols), static_cast<long long>(i % cols));
@@ -446,6 +449,7 @@ void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string
   RangeMessage message{};
   expected.copy(message.expected, sizeof(message.expected) - 1);
   message.landmarks = landmarks;
+  message.flat = values.dim() == 1;
   Tensor first = full_on(values, {1}, numel, ScalarType::Long);
   auto* first_data = reinterpret_cast<unsigned long long*>(first.mutable_data_ptr<int64_t>());
   find_out_of_range<<<grid_for(numel, kThreads), kThreads, 0, stream()>>>(

@@ -11,6 +11,7 @@ namespace lmk_ops::cuda {
 struct RangeMessage {
   char expected[240];
   bool landmarks;  // "in row r (landmarks[r, c])" rather than "at [r, c]"
+  bool flat;       // values of one dimension: "at [i]"
 };
 
 void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, bool landmarks);

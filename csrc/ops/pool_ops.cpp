@@ -123,9 +123,10 @@ Tensor max_pool_backward(const Tensor& grad, const Tensor& argmax, int64_t seq_l
 }
 
 Tensor valid_mask(const Tensor& mask, std::string op) {
-  LMK_CHECK(mask.dim() == 2, "lmk_ops.", op, ": expected mask of shape [B, L], got ", shape_str(mask.sizes()));
-  const Tensor valid = prepare_mask(op.c_str(), mask, mask.size(0), mask.size(1), mask);
-  return fresh(valid, mask);
+  LMK_CHECK(
+      mask.dim() == 1 || mask.dim() == 2, "lmk_ops.", op, ": expected mask of shape [B, L] (or [T], packed), got ",
+      shape_str(mask.sizes()));
+  return fresh(mask_as_bool(op.c_str(), mask, Values::kCheck), mask);
 }
 
 Tensor packed_offsets(const Tensor& cu_seqlens, int64_t tokens, std::optional<int64_t> max_seqlen, std::string op) {

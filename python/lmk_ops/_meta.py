@@ -128,9 +128,10 @@ def _landmark_gather_backward_fake(grad_out, positions, seq_len, cu_seqlens=None
 
 @torch.library.register_fake("lmk_ops::valid_mask")
 def _valid_mask_fake(mask, op):
-    if mask.dim() != 2:
-        fail(op, f"expected mask of shape [B, L], got [{', '.join(str(s) for s in mask.shape)}]")
-    check_mask(op, mask, mask.shape[0], mask.shape[1], mask)
+    if mask.dim() not in (1, 2):
+        fail(op, f"expected mask of shape [B, L] (or [T], packed), got [{', '.join(str(s) for s in mask.shape)}]")
+    rows = mask if mask.dim() == 2 else mask.unsqueeze(0)
+    check_mask(op, rows, rows.shape[0], rows.shape[1], rows)
     return mask.new_empty(mask.shape, dtype=torch.bool)
 
 

@@ -39,9 +39,9 @@ SCHEMAS = [
     # for a text with none); the backward is landmark_gather_backward at those positions.
     "token_pool(Tensor hidden, Tensor? mask=None, bool last=False, Tensor? cu_seqlens=None, "
     "SymInt? max_seqlen=None) -> (Tensor, Tensor)",
-    # A [B, L] attention mask as a fresh bool tensor, its values checked as the pooling ops check them (0/1 for an
-    # integer mask), with errors naming `op`: the helpers written in Python (first_token_pool, last_token_pool) call it
-    # so that a bad value fails the same way eagerly and inside a compiled graph.
+    # A [B, L] (or packed [T]) attention mask as a fresh bool tensor, its values checked as the pooling ops check them
+    # (0/1 for an integer mask), with errors naming `op`: the helpers written in Python (first_token_pool,
+    # last_token_pool) call it so that a bad value fails the same way eagerly and inside a compiled graph.
     "valid_mask(Tensor mask, str op) -> Tensor",
     # cu_seqlens of a packed batch of `tokens` rows as fresh int64 offsets, checked as the pooling ops check them
     # (first 0, last T, non-decreasing, each text at most max_seqlen), with errors naming `op`.

@@ -310,8 +310,6 @@ def bool_mask(op: str, mask: Tensor) -> Tensor:
     eager and compiled, errors naming op), a bool one as it is."""
     if mask.dtype == torch.bool:
         return mask
-    if mask.dim() == 1:
-        return torch.ops.lmk_ops.valid_mask(mask.view(1, -1), op).view(-1)
     return torch.ops.lmk_ops.valid_mask(mask, op)
 
 

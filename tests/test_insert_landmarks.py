@@ -240,6 +240,19 @@ def test_inputs_on_a_device_give_the_same_batch_on_that_device(device):
             assert there[key].device == torch.device(device) and torch.equal(there[key].cpu(), on_host[key])
 
 
+def test_extreme_integer_arguments_are_taken_as_they_are():
+    """An interval, max_length or special-token count near 2**63 means "one chunk", "no cut", "all specials"."""
+    ids = torch.tensor([[CLS, 11, 12, 13, SEP], [CLS, 14, SEP, PAD, PAD]])
+    mask = (ids != PAD).long()
+    huge = 2**63 - 1
+    one_chunk = lmk_ops.insert_landmarks(ids, mask, landmark_id=7, interval=huge, max_length=huge)
+    assert one_chunk.input_ids.tolist() == [[CLS, 11, 12, 13, 7], [CLS, 14, 7, PAD, PAD]]
+    per_row = lmk_ops.insert_landmarks(ids, mask, landmark_id=7, interval=torch.tensor([huge, 1]))
+    assert per_row.input_ids.tolist() == [[CLS, 11, 12, 13, 7], [CLS, 14, 7, PAD, PAD]]
+    all_leading = lmk_ops.insert_landmarks(ids, mask, landmark_id=7, num_leading=huge)
+    assert all_leading.input_ids.tolist() == [[CLS, 11, 12, 13, SEP, 7], [CLS, 14, SEP, 7, PAD, PAD]]
+
+
 def test_the_op_checks_what_it_is_called_with_directly():
     """torch.ops.lmk_ops.insert_landmarks trusts nothing that would read outside its inputs or divide by zero."""
     op = torch.ops.lmk_ops.insert_landmarks

@@ -57,7 +57,7 @@ RowLayout lay_out(const int64_t* columns, int64_t length, int64_t every, const b
   if (row.num_content == 0) {
     landmarks = length > 0 ? 1 : 0;  // an empty text still gets one; a row of padding alone stays empty
   } else if (sentence_end_of_row == nullptr) {
-    landmarks = (row.num_content + every - 1) / every;
+    landmarks = 1 + (row.num_content - 1) / every;  // rounded up, with no overflow for an interval near 2^63
   } else {
     for (int64_t i = 0; i < row.num_content; ++i) {
       landmarks += ends_chunk(i, row.num_content, every, sentence_end_of_row, columns[row.num_lead + i]);

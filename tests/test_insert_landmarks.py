@@ -70,6 +70,31 @@ def test_matches_the_per_row_reference(case):
     assert torch.equal(ids, before[0]) and torch.equal(mask, before[1]), "an input was modified"
 
 
+@given(case=token_batches(), num_leading=st.integers(0, 3), num_trailing=st.integers(0, 3),
+       sentences=st.booleans(), seed=st.integers(0, 2**31 - 1), max_length=st.one_of(st.none(), st.integers(1, 12)))
+def test_matches_the_per_row_reference_with_any_specials_and_sentence_ends(case, num_leading, num_trailing,
+                                                                            sentences, seed, max_length):
+    ids, mask, options = case
+    gen = torch.Generator().manual_seed(seed)
+    options = {**options, "num_leading": num_leading, "num_trailing": num_trailing,
+               "max_length": max_length if max_length is not None else options["max_length"]}
+    if sentences:
+        options["sentence_ends"] = torch.rand(ids.shape, generator=gen) < 0.2
+    valid = mask.bool()
+    try:
+        out = lmk_ops.insert_landmarks(ids, mask, **options)
+    except ValueError as error:
+        # Refused only where a row's kept specials and one landmark do not fit in max_length.
+        lengths = valid.sum(1)
+        leading = lengths.clamp(max=num_leading)
+        trailing = (lengths - leading).clamp(max=num_trailing) if options["keep_trailing"] else 0 * lengths
+        assert "expected max_length >=" in str(error) and bool((leading + trailing + 1 > options["max_length"]).any())
+        return
+    ref_ids, ref_mask, ref_landmarks = reference.insert_landmarks(ids, mask, **options)
+    assert torch.equal(out.input_ids, ref_ids) and torch.equal(out.attention_mask, ref_mask)
+    assert torch.equal(out.landmark_mask, ref_landmarks)
+
+
 @given(case=token_batches())
 def test_layout_rules(case):
     ids, mask, options = case

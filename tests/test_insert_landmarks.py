@@ -300,6 +300,20 @@ def test_the_op_checks_what_it_is_called_with_directly():
             call(*args)
 
 
+def test_traces_whole_under_torch_compile():
+    """One op with a data-dependent width (an unbacked size in the graph): fullgraph compiles it."""
+    ids = torch.tensor([[CLS, 11, 12, 13, SEP, PAD], [CLS, 14, SEP, PAD, PAD, PAD]])
+    mask = (ids != PAD).long()
+
+    def insert(ids, mask):
+        batch = lmk_ops.insert_landmarks(ids, mask, landmark_id=7, interval=2, max_length=5)
+        return batch.input_ids, batch.attention_mask, batch.landmark_mask
+
+    torch._dynamo.reset()
+    for compiled, eager in zip(torch.compile(insert, fullgraph=True)(ids, mask), insert(ids, mask)):
+        assert torch.equal(compiled, eager)
+
+
 def test_opcheck_insert_landmarks():
     """Schema, fake kernel (the width is a data-dependent size) and the dispatcher's checks."""
     ids = torch.tensor([[CLS, 5, 6, 7, SEP, PAD], [CLS, 5, SEP, PAD, PAD, PAD]])

@@ -529,6 +529,8 @@ def test_attention_scale_must_be_a_number_finite_in_float32():
 def test_empty_sequences():
     batch = lmk_ops.insert_landmarks(torch.zeros(2, 0, dtype=torch.long), landmark_id=9)
     assert batch.input_ids.shape == (2, 0) and batch.landmark_mask.shape == (2, 0)
+    ref_ids, _, ref_landmarks = reference.insert_landmarks(torch.zeros(2, 0, dtype=torch.long), landmark_id=9)
+    assert torch.equal(ref_ids, batch.input_ids) and torch.equal(ref_landmarks, batch.landmark_mask)
     out = reference.landmark_mean(torch.randn(2, 0, 4), torch.full((2, 3), -1))
     assert torch.equal(out, torch.zeros(2, 4))
     assert torch.equal(lmk_ops.landmark_mean(torch.randn(2, 0, 4), torch.full((2, 3), -1)), out)

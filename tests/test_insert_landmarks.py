@@ -95,6 +95,23 @@ def test_matches_the_per_row_reference_with_any_specials_and_sentence_ends(case,
     assert torch.equal(out.landmark_mask, ref_landmarks)
 
 
+@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 5), seq_len=st.integers(0, 40),
+       ids_dtype=st.sampled_from([torch.int64, torch.int32, torch.int16, torch.uint8]),
+       mask_dtype=st.sampled_from([torch.int64, torch.bool, torch.uint8]), share=st.floats(0, 1),
+       pad_id=st.sampled_from([0, 3]), padding_side=st.sampled_from([None, "left", "right"]))
+def test_matches_the_per_row_reference_on_masks_with_holes(seed, batch, seq_len, ids_dtype, mask_dtype, share, pad_id,
+                                                           padding_side):
+    """Any 0/1 mask, not just one span per row (the valid tokens are taken in order), and ids of any integer dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 200, (batch, seq_len), generator=gen).to(ids_dtype)
+    mask = (torch.rand(batch, seq_len, generator=gen) < share).to(mask_dtype)
+    options = {"landmark_id": 150, "interval": 3, "pad_id": pad_id, "padding_side": padding_side}
+    out = lmk_ops.insert_landmarks(ids, mask, **options)
+    ref_ids, ref_mask, ref_landmarks = reference.insert_landmarks(ids, mask, **options)
+    assert torch.equal(out.input_ids, ref_ids) and out.input_ids.dtype == ids_dtype
+    assert torch.equal(out.attention_mask, ref_mask) and torch.equal(out.landmark_mask, ref_landmarks)
+
+
 @given(case=token_batches())
 def test_layout_rules(case):
     ids, mask, options = case

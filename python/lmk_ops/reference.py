@@ -176,7 +176,7 @@ def insert_landmarks(input_ids: Tensor, attention_mask: Tensor | None = None, *,
     """lmk_ops.insert_landmarks row by row, in plain Python: returns (input_ids, attention_mask, landmark_mask)."""
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     if padding_side is None:
-        padding_side = "left" if bool((~valid[:, 0] & valid[:, -1]).any()) else "right"
+        padding_side = "left" if input_ids.shape[1] and bool((~valid[:, 0] & valid[:, -1]).any()) else "right"
     rows = []
     for b in range(input_ids.shape[0]):
         ids = input_ids[b][valid[b]].tolist()

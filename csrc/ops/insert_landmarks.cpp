@@ -28,10 +28,8 @@ struct RowLayout {
   int64_t length() const { return body_limit + kept_trail; }
 };
 
+// What every row's layout takes alike (a row's interval and sentence ends are lay_out's own arguments).
 struct Options {
-  const int64_t* intervals;  // per row, or nullptr: interval for every row
-  int64_t interval;
-  const bool* sentence_ends;  // [B, L] or nullptr: fixed chunks
   int64_t num_leading, num_trailing;
   bool keep_trailing;
   std::optional<int64_t> max_length;
@@ -99,7 +97,7 @@ void write_row(const RowLayout& row, const int64_t* ids, const int64_t* columns,
       put(landmark_id, true);
     }
   }
-  if (row.num_content == 0 && row.body_limit > 0) {
+  if (row.num_content == 0) {  // an empty text's one landmark (none fits in a row of padding alone)
     put(landmark_id, true);
   }
   if (!any_landmark && row.body_limit > 0) {
@@ -146,9 +144,9 @@ std::tuple<Tensor, Tensor, Tensor> insert_landmarks(
         std::all_of(e, e + batch, [](int64_t v) { return v >= 1; }), "lmk_ops.", kOp,
         ": expected per-row intervals >= 1");
   }
-  const Options o{every_row.defined() ? every_row.const_data_ptr<int64_t>() : nullptr, interval,
-                  ends.defined() ? ends.const_data_ptr<bool>() : nullptr, num_leading, num_trailing,
-                  keep_trailing, max_length};
+  const Options o{num_leading, num_trailing, keep_trailing, max_length};
+  const int64_t* every = every_row.defined() ? every_row.const_data_ptr<int64_t>() : nullptr;  // else interval
+  const bool* end = ends.defined() ? ends.const_data_ptr<bool>() : nullptr;  // else fixed chunks
   const int64_t* id = ids.const_data_ptr<int64_t>();
   const bool* v = valid.defined() ? valid.const_data_ptr<bool>() : nullptr;
 
@@ -168,8 +166,8 @@ std::tuple<Tensor, Tensor, Tensor> insert_landmarks(
   }
   const bool left = padding_side.has_value() ? *padding_side == "left" : left_padded;
 
-  const auto row_interval = [&](int64_t b) { return o.intervals != nullptr ? o.intervals[b] : o.interval; };
-  const auto row_ends = [&](int64_t b) { return o.sentence_ends != nullptr ? o.sentence_ends + b * seq_len : nullptr; };
+  const auto row_interval = [&](int64_t b) { return every != nullptr ? every[b] : interval; };
+  const auto row_ends = [&](int64_t b) { return end != nullptr ? end + b * seq_len : nullptr; };
   std::vector<RowLayout> rows(static_cast<size_t>(batch));
   int64_t width = 0;
   for (int64_t b = 0; b < batch; ++b) {

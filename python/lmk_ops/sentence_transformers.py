@@ -52,8 +52,9 @@ class LandmarkTransformer(Transformer):
         super().__init__(model_name_or_path, **kwargs)
         self.landmark_token = landmark_token
         self.interval = int(interval)
-        self._landmark_id = landmark_token_id(self._text_tokenizer(), landmark_token)
-        self._layout = special_token_layout(self._text_tokenizer())
+        tokenizer = self._text_tokenizer()
+        self._landmark_id = landmark_token_id(tokenizer, landmark_token)
+        self._layout = special_token_layout(tokenizer)
 
     def _text_tokenizer(self) -> Any:
         """The model's tokenizer: landmarks go into token ids, so a model without one (sentence-transformers gives

@@ -201,7 +201,8 @@ def test_training_intervals_are_reproducible_and_used_per_row():
 
 @pytest.mark.parametrize("bad,pattern", [
     ({"interval": 0}, r"expected interval as an int in \[1, 2\*\*63\)"),
-    ({"interval": torch.tensor([4])}, r"expected per-row intervals as a \[B\] = \[2\] tensor"),
+    ({"interval": torch.tensor([4])}, r"expected per-row intervals as a \[B\] = \[2\] tensor, got shape \[1\]"),
+    ({"interval": torch.tensor([4, 0])}, r"expected per-row intervals >= 1, got 0 at \[1\]"),
     ({"attention_mask": torch.ones(2, 3, dtype=torch.long)}, r"expected attention_mask of shape \[2, 4\]"),
     ({"attention_mask": torch.ones(2, 4)}, r"expected attention_mask as a bool or integer 0/1 tensor, got torch.float32"),
     ({"attention_mask": torch.full((2, 4), 2)}, r"expected attention_mask values 0 or 1, got 2 at \[0, 0\]"),
@@ -305,7 +306,7 @@ def test_the_op_checks_what_it_is_called_with_directly():
         ((ids.float(),), r"expected input_ids as an integer CPU tensor \[B, L\], got Float"),
         ((ids, torch.ones(1, 3, dtype=torch.long)), r"expected attention_mask of shape \[B, L\] = \[1, 4\]"),
         ((ids, None, torch.ones(1, 4)), r"expected sentence_ends of dtype bool or an integer dtype"),
-        ((ids, None, None, torch.tensor([0])), r"expected per-row intervals >= 1"),
+        ((ids, None, None, torch.tensor([0])), r"expected per-row intervals >= 1, got 0 at \[0\]"),
         ((ids, None, None, torch.tensor([1, 2])),
          r"expected per-row intervals as an integer CPU tensor \[B\] = \[1\]"),
         ((ids, None, None, None, 0),
@@ -326,8 +327,16 @@ def test_traces_whole_under_torch_compile():
         batch = lmk_ops.insert_landmarks(ids, mask, landmark_id=7, interval=2, max_length=5)
         return batch.input_ids, batch.attention_mask, batch.landmark_mask
 
+    def insert_per_row(ids, mask, intervals):
+        batch = lmk_ops.insert_landmarks(ids, mask, landmark_id=7, interval=intervals)
+        return batch.input_ids, batch.attention_mask, batch.landmark_mask
+
     torch._dynamo.reset()
     for compiled, eager in zip(torch.compile(insert, fullgraph=True)(ids, mask), insert(ids, mask)):
+        assert torch.equal(compiled, eager)
+    intervals = torch.tensor([1, 2])  # training mode: the op checks the values, so nothing reads them in Python
+    for compiled, eager in zip(torch.compile(insert_per_row, fullgraph=True)(ids, mask, intervals),
+                               insert_per_row(ids, mask, intervals)):
         assert torch.equal(compiled, eager)
 
 

@@ -140,9 +140,8 @@ std::tuple<Tensor, Tensor, Tensor> insert_landmarks(
         intervals->scalar_type(), " of shape ", shape_str(intervals->sizes()));
     every_row = as_contiguous(to_dtype(*intervals, ScalarType::Long));
     const int64_t* e = every_row.const_data_ptr<int64_t>();
-    LMK_CHECK(
-        std::all_of(e, e + batch, [](int64_t v) { return v >= 1; }), "lmk_ops.", kOp,
-        ": expected per-row intervals >= 1");
+    const int64_t bad = std::find_if(e, e + batch, [](int64_t v) { return v < 1; }) - e;
+    LMK_CHECK(bad == batch, "lmk_ops.", kOp, ": expected per-row intervals >= 1, got ", e[bad], " at [", bad, "]");
   }
   const Options o{num_leading, num_trailing, keep_trailing, max_length};
   const int64_t* every = every_row.defined() ? every_row.const_data_ptr<int64_t>() : nullptr;  // else interval

@@ -2,7 +2,8 @@
 compute-sanitizer (memcheck, racecheck, synccheck, initcheck) watches in scripts/gpu_check.sh. Small on purpose (a
 sanitizer slows kernels 10-100x), but it covers each path: one chunk and several (L > 128), row listing by several
 blocks (L > 4096) with unaligned mask rows, 16-byte packs and the strided path, small, wide and very wide attention
-heads, attention's second passes (forward and backward) over rows near float32's maximum, the value checks, and the four dtypes."""
+heads, attention's second passes (forward and backward) over rows near float32's maximum, the value checks, and
+the four dtypes."""
 
 from __future__ import annotations
 

@@ -102,7 +102,8 @@ def make_landmark_mask(batch, seq_len, gen) -> torch.Tensor:
     interval = int(torch.randint(1, 40, (), generator=gen))
     lengths = torch.randint(0, seq_len + 1, (batch,), generator=gen)
     positions = torch.arange(seq_len)
-    return ((positions + 1) % (interval + 1) == 0) & (positions < lengths[:, None]) | (positions == lengths[:, None] - 1)
+    every_interval = ((positions + 1) % (interval + 1) == 0) & (positions < lengths[:, None])
+    return every_interval | (positions == lengths[:, None] - 1)
 
 
 @st.composite

@@ -14,13 +14,19 @@ POOLS["attention_pool"] = lambda hidden, mask: lmk_ops.attention_pool(
 
 # (description, hidden, mask, message pattern after "lmk_ops.<op>: ")
 BAD_INPUTS = [
-    ("2-D hidden", lambda: torch.randn(4, 8), None, r"expected hidden of shape \[B, L, D\] \(3-D\), got a 2-D tensor of shape \[4, 8\]"),
+    ("2-D hidden", lambda: torch.randn(4, 8), None,
+     r"expected hidden of shape \[B, L, D\] \(3-D\), got a 2-D tensor of shape \[4, 8\]"),
     ("4-D hidden", lambda: torch.randn(2, 3, 4, 5), None, r"expected hidden of shape \[B, L, D\] \(3-D\), got a 4-D"),
-    ("integer hidden", lambda: torch.ones(2, 3, 4, dtype=torch.long), None, r"expected hidden of dtype float16, bfloat16, float32 or float64, got Long"),
-    ("mask batch mismatch", lambda: torch.randn(2, 3, 4), torch.ones(3, 3, dtype=torch.bool), r"expected mask of shape \[B, L\] = \[2, 3\], got \[3, 3\]"),
-    ("mask length mismatch", lambda: torch.randn(2, 3, 4), torch.ones(2, 5, dtype=torch.bool), r"expected mask of shape \[B, L\] = \[2, 3\], got \[2, 5\]"),
-    ("3-D mask", lambda: torch.randn(2, 3, 4), torch.ones(2, 3, 1, dtype=torch.bool), r"expected mask of shape \[B, L\] = \[2, 3\], got \[2, 3, 1\]"),
-    ("float mask", lambda: torch.randn(2, 3, 4), torch.ones(2, 3), r"expected mask of dtype bool or an integer dtype holding 0/1, got Float"),
+    ("integer hidden", lambda: torch.ones(2, 3, 4, dtype=torch.long), None,
+     r"expected hidden of dtype float16, bfloat16, float32 or float64, got Long"),
+    ("mask batch mismatch", lambda: torch.randn(2, 3, 4), torch.ones(3, 3, dtype=torch.bool),
+     r"expected mask of shape \[B, L\] = \[2, 3\], got \[3, 3\]"),
+    ("mask length mismatch", lambda: torch.randn(2, 3, 4), torch.ones(2, 5, dtype=torch.bool),
+     r"expected mask of shape \[B, L\] = \[2, 3\], got \[2, 5\]"),
+    ("3-D mask", lambda: torch.randn(2, 3, 4), torch.ones(2, 3, 1, dtype=torch.bool),
+     r"expected mask of shape \[B, L\] = \[2, 3\], got \[2, 3, 1\]"),
+    ("float mask", lambda: torch.randn(2, 3, 4), torch.ones(2, 3),
+     r"expected mask of dtype bool or an integer dtype holding 0/1, got Float"),
 ]
 
 
@@ -46,7 +52,8 @@ def test_mask_values_other_than_0_1(op):
 
 @pytest.mark.parametrize("op", POOLS)
 def test_tensors_on_different_devices(op):
-    with pytest.raises(RuntimeError, match=rf"^lmk_ops\.{op}: expected mask on the same device as hidden \(cpu\), got meta"):
+    with pytest.raises(RuntimeError,
+                       match=rf"^lmk_ops\.{op}: expected mask on the same device as hidden \(cpu\), got meta"):
         POOLS[op](torch.randn(2, 3, 4), torch.ones(2, 3, dtype=torch.bool, device="meta"))
 
 
@@ -61,11 +68,14 @@ def test_backward_ops_check_their_inputs():
     ops = torch.ops.lmk_ops
     for device in ("cpu", "meta"):
         grad = torch.randn(2, 4, device=device)
-        with pytest.raises(RuntimeError, match=r"^lmk_ops\.mean_pool_backward: expected grad_out of shape \[B, D\] \(2-D\), got shape \[2, 4, 1\]"):
+        with pytest.raises(RuntimeError, match=r"^lmk_ops\.mean_pool_backward: expected grad_out of shape \[B, D\] "
+                                               r"\(2-D\), got shape \[2, 4, 1\]"):
             ops.mean_pool_backward(grad[..., None], None, 3)
-        with pytest.raises(RuntimeError, match=r"^lmk_ops\.mean_pool_backward: expected mask of shape \[B, L\] = \[2, 3\], got \[2, 5\]"):
+        with pytest.raises(RuntimeError, match=r"^lmk_ops\.mean_pool_backward: expected mask of shape \[B, L\] = "
+                                               r"\[2, 3\], got \[2, 5\]"):
             ops.mean_pool_backward(grad, torch.ones(2, 5, dtype=torch.bool, device=device), 3)
-        with pytest.raises(RuntimeError, match=r"^lmk_ops\.max_pool_backward: expected argmax of dtype int32 and shape \[2, 4\] \(as max_pool returns\), got Long of shape \[2, 4\]"):
+        with pytest.raises(RuntimeError, match=r"^lmk_ops\.max_pool_backward: expected argmax of dtype int32 and shape "
+                                               r"\[2, 4\] \(as max_pool returns\), got Long of shape \[2, 4\]"):
             ops.max_pool_backward(grad, torch.zeros(2, 4, dtype=torch.long, device=device), 3)
 
 
@@ -94,11 +104,16 @@ LANDMARK_OPS = {
 }
 # (description, landmarks for hidden [2, 3, 4], message pattern after "lmk_ops.<op>: ")
 BAD_LANDMARKS = [
-    ("int32 positions", torch.zeros(2, 1, dtype=torch.int32), r"expected landmarks as a bool mask \[B, L\] or int64 positions \[B, K\] padded with -1, got Int"),
-    ("float landmarks", torch.zeros(2, 3), r"expected landmarks as a bool mask \[B, L\] or int64 positions \[B, K\] padded with -1, got Float"),
-    ("positions batch mismatch", torch.zeros(3, 2, dtype=torch.long), r"expected landmark positions of shape \[B, K\] = \[2, K\], got \[3, 2\]"),
-    ("1-D positions", torch.zeros(2, dtype=torch.long), r"expected landmark positions of shape \[B, K\] = \[2, K\], got \[2\]"),
-    ("mask length mismatch", torch.ones(2, 5, dtype=torch.bool), r"expected a landmark mask of shape \[B, L\] = \[2, 3\], got \[2, 5\]"),
+    ("int32 positions", torch.zeros(2, 1, dtype=torch.int32),
+     r"expected landmarks as a bool mask \[B, L\] or int64 positions \[B, K\] padded with -1, got Int"),
+    ("float landmarks", torch.zeros(2, 3),
+     r"expected landmarks as a bool mask \[B, L\] or int64 positions \[B, K\] padded with -1, got Float"),
+    ("positions batch mismatch", torch.zeros(3, 2, dtype=torch.long),
+     r"expected landmark positions of shape \[B, K\] = \[2, K\], got \[3, 2\]"),
+    ("1-D positions", torch.zeros(2, dtype=torch.long),
+     r"expected landmark positions of shape \[B, K\] = \[2, K\], got \[2\]"),
+    ("mask length mismatch", torch.ones(2, 5, dtype=torch.bool),
+     r"expected a landmark mask of shape \[B, L\] = \[2, 3\], got \[2, 5\]"),
 ]
 
 
@@ -124,32 +139,39 @@ def test_positions_out_of_range_name_the_row_and_position(op, bad, row, entry):
 
 @pytest.mark.parametrize("op", LANDMARK_OPS)
 def test_landmarks_on_another_device(op):
-    for landmarks in (torch.zeros(2, 1, dtype=torch.long, device="meta"), torch.ones(2, 3, dtype=torch.bool, device="meta")):
+    for landmarks in (torch.zeros(2, 1, dtype=torch.long, device="meta"),
+                      torch.ones(2, 3, dtype=torch.bool, device="meta")):
         if op == "landmark_gather" and landmarks.dtype == torch.bool:
             continue  # turned into positions on its own device first
-        with pytest.raises(RuntimeError, match=rf"^lmk_ops\.{op}: expected landmarks on the same device as hidden \(cpu\), got meta"):
+        with pytest.raises(RuntimeError, match=rf"^lmk_ops\.{op}: expected landmarks on the same device as hidden "
+                                               rf"\(cpu\), got meta"):
             LANDMARK_OPS[op](torch.randn(2, 3, 4), landmarks)
 
 
 def test_landmark_gather_positions_must_be_int64():
     for device in ("cpu", "meta"):
-        with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_gather: expected landmark positions of dtype int64 \(padded with -1\), got Int"):
-            lmk_ops.landmark_gather(torch.randn(2, 3, 4, device=device), torch.zeros(2, 1, dtype=torch.int32, device=device))
+        with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_gather: expected landmark positions of dtype int64 "
+                                               r"\(padded with -1\), got Int"):
+            lmk_ops.landmark_gather(torch.randn(2, 3, 4, device=device),
+                                    torch.zeros(2, 1, dtype=torch.int32, device=device))
 
 
 def test_landmark_backward_ops_check_their_inputs():
     ops = torch.ops.lmk_ops
     positions = torch.tensor([[0, 2], [1, -1]])
     for device in ("cpu", "meta"):
-        with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_gather_backward: expected grad_out of shape \[B, K, D\] with K = 2 \(as positions\), got \[2, 3, 4\]"):
+        with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_gather_backward: expected grad_out of shape "
+                                               r"\[B, K, D\] with K = 2 \(as positions\), got \[2, 3, 4\]"):
             ops.landmark_gather_backward(torch.randn(2, 3, 4, device=device), positions.to(device), 3)
-        with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_mean_backward: expected dtype float16, bfloat16, float32 or float64, got Long"):
+        with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_mean_backward: expected dtype float16, bfloat16, "
+                                               r"float32 or float64, got Long"):
             ops.landmark_mean_backward(torch.randn(2, 4, device=device), positions.to(device), 3, torch.long)
 
 
 def test_landmark_mean_under_compile_reports_the_error():
     compiled = torch.compile(lmk_ops.landmark_mean, fullgraph=True)
-    with pytest.raises(Exception, match=r"lmk_ops\.landmark_mean: expected a landmark mask of shape \[B, L\] = \[2, 3\], got \[2, 4\]"):
+    with pytest.raises(Exception, match=r"lmk_ops\.landmark_mean: expected a landmark mask of shape \[B, L\] = "
+                                        r"\[2, 3\], got \[2, 4\]"):
         compiled(torch.randn(2, 3, 4), torch.ones(2, 4, dtype=torch.bool))
 
 
@@ -162,7 +184,8 @@ BAD_QUERIES = [
     ("no heads", lambda: torch.randn(0, 5), {}, r"expected query of shape .* got \[0, 5\]"),
     ("integer query", lambda: torch.ones(12, dtype=torch.long), {}, r"expected query of dtype float16, bfloat16, "
      r"float32 or float64, got Long"),
-    ("infinite scale", lambda: torch.randn(12), {"scale": float("inf")}, r"expected a scale finite in float32, got inf"),
+    ("infinite scale", lambda: torch.randn(12), {"scale": float("inf")},
+     r"expected a scale finite in float32, got inf"),
     ("NaN scale", lambda: torch.randn(12), {"scale": float("nan")}, r"expected a scale finite in float32, got nan"),
 ]
 

@@ -23,8 +23,8 @@ MODES = {"mean": "mean", "max": "max", "cls": "cls", "lasttoken": "last", "mean_
          "mean_sqrt_len_tokens", "weightedmean": "weightedmean"}
 
 
-@pytest.fixture(scope="module")
-def padded():
+@pytest.fixture(scope="module", name="padded")
+def padded_fixture():
     """The real model's padded features for texts of mixed lengths (one of a single token)."""
     gen = torch.Generator().manual_seed(3)
     lengths = torch.randint(1, 200, (7,), generator=gen).tolist() + [0]

@@ -163,7 +163,8 @@ def test_left_and_right_padding_give_the_same_rows():
     left_ids = torch.stack([ids[0].roll(2), ids[1]])
     left = lmk_ops.insert_landmarks(left_ids, (left_ids != PAD).long(), landmark_id=SEP, interval=2)
     assert right.input_ids.tolist() == [[CLS, 5, 6, SEP, 7, SEP, PAD, PAD, PAD], [CLS, 5, 6, SEP, 7, 8, SEP, 9, SEP]]
-    assert torch.equal(left.input_ids[0], right.input_ids[0].roll(3)) and torch.equal(left.input_ids[1], right.input_ids[1])
+    assert torch.equal(left.input_ids[0], right.input_ids[0].roll(3))
+    assert torch.equal(left.input_ids[1], right.input_ids[1])
     assert right.landmark_mask.sum(1).tolist() == [2, 3]
 
 
@@ -204,7 +205,8 @@ def test_training_intervals_are_reproducible_and_used_per_row():
     ({"interval": torch.tensor([4])}, r"expected per-row intervals as a \[B\] = \[2\] tensor, got shape \[1\]"),
     ({"interval": torch.tensor([4, 0])}, r"expected per-row intervals >= 1, got 0 at \[1\]"),
     ({"attention_mask": torch.ones(2, 3, dtype=torch.long)}, r"expected attention_mask of shape \[2, 4\]"),
-    ({"attention_mask": torch.ones(2, 4)}, r"expected attention_mask as a bool or integer 0/1 tensor, got torch.float32"),
+    ({"attention_mask": torch.ones(2, 4)},
+     r"expected attention_mask as a bool or integer 0/1 tensor, got torch.float32"),
     ({"attention_mask": torch.full((2, 4), 2)}, r"expected attention_mask values 0 or 1, got 2 at \[0, 0\]"),
     ({"sentence_ends": torch.tensor([[0, 0, 1, 0], [0, -1, 0, 0]])},
      r"expected sentence_ends values 0 or 1, got -1 at \[1, 1\]"),

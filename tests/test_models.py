@@ -123,8 +123,8 @@ def test_texts_longer_than_max_length_keep_what_the_whole_text_gives(tokenizer, 
     elif placement == "training":
         options = {"training_intervals": (interval, 2 * interval + 1)}
     recording = _RecordingTokenizer(tokenizer)
-    got = hf.tokenize_with_landmarks(recording, texts, max_length=max_length, generator=torch.Generator().manual_seed(3),
-                                     **options)
+    got = hf.tokenize_with_landmarks(recording, texts, max_length=max_length,
+                                     generator=torch.Generator().manual_seed(3), **options)
     assert max(recording.widths) <= max_length + 3  # one content token past max_length, and [CLS] ... [SEP]
     whole = tokenizer(texts, padding=True, return_tensors="pt", verbose=False, return_offsets_mapping=True)
     if placement == "sentences":
@@ -286,7 +286,8 @@ def test_sentence_transformers_attention_pooling_saves_its_query(tmp_path):
     batch = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
     with torch.inference_mode():
         hidden = transformer.auto_model(**batch).last_hidden_state
-    expected = reference.attention_pool(hidden, batch["attention_mask"].bool(), pooling.pooling.attention.query.detach())
+    query = pooling.pooling.attention.query.detach()
+    expected = reference.attention_pool(hidden, batch["attention_mask"].bool(), query)
     torch.testing.assert_close(embeddings, torch.nn.functional.normalize(expected, dim=-1), atol=1e-5, rtol=1e-5)
 
 
@@ -300,7 +301,8 @@ def test_example_script_runs():
 def test_one_string_is_one_text_and_no_texts_is_a_clear_error(tokenizer):
     one = hf.tokenize_with_landmarks(tokenizer, "one string of words", interval=2)
     assert one.input_ids.shape[0] == 1
-    assert torch.equal(one.input_ids, hf.tokenize_with_landmarks(tokenizer, ["one string of words"], interval=2).input_ids)
+    listed = hf.tokenize_with_landmarks(tokenizer, ["one string of words"], interval=2)
+    assert torch.equal(one.input_ids, listed.input_ids)
     for texts in ([], [None], 5, None, b"bytes"):
         with pytest.raises(ValueError, match=r"^lmk_ops\.hf\.tokenize_with_landmarks: expected a string or a non-empty "
                                              r"list of strings"):

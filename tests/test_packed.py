@@ -318,7 +318,8 @@ def test_packed_hidden_that_starts_inside_its_storage(device, name):
 
 
 def test_packed_inputs_are_not_modified():
-    hidden, offsets, mask = torch.randn(7, 4), torch.tensor([0, 3, 7], dtype=torch.int32), torch.ones(7, dtype=torch.long)
+    hidden, offsets = torch.randn(7, 4), torch.tensor([0, 3, 7], dtype=torch.int32)
+    mask = torch.ones(7, dtype=torch.long)
     before = (hidden.clone(), offsets.clone(), mask.clone())
     for fn in (lmk_ops.mean_pool, lmk_ops.max_pool, lmk_ops.first_token_pool, lmk_ops.last_token_pool):
         fn(hidden, mask, cu_seqlens=offsets)
@@ -342,8 +343,9 @@ def test_opcheck_packed_ops(device):
         torch.library.opcheck(ops.attention_pool.default, (hidden, mask, query, None, weights, offsets, 5))
     out, stats, _ = ops.attention_pool(hidden.detach(), mask, query.detach(), None, False, offsets)
     grad_out = torch.randn(3, 5, device=device, requires_grad=True)
+    grad_weights = torch.randn(1, 9, device=device)
     torch.library.opcheck(ops.attention_pool_backward.default,
-                          (grad_out, torch.randn(1, 9, device=device), hidden, mask, query, out, stats, None, offsets, 5))
+                          (grad_out, grad_weights, hidden, mask, query, out, stats, None, offsets, 5))
     for last in (False, True):
         torch.library.opcheck(ops.token_pool.default, (hidden, mask, last, offsets, 5))
         torch.library.opcheck(ops.token_pool.default, (hidden.view(3, 3, 5), mask.view(3, 3), last))

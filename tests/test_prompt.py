@@ -13,7 +13,7 @@ import lmk_ops  # noqa: E402
 from packages import require  # noqa: E402
 
 sentence_transformers = require("sentence_transformers")
-from test_flattened import MODEL_PATH, MODES, flattened, padded  # noqa: E402,F401 (padded: a fixture)
+from test_flattened import MODEL_PATH, MODES, flattened, padded_fixture  # noqa: E402,F401 (the padded fixture)
 
 PROMPT = 3  # [CLS] and two prompt tokens
 

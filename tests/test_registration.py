@@ -90,8 +90,8 @@ def test_opcheck_backward_ops(device):
     for landmarks in (landmark_mask, positions):
         torch.library.opcheck(ops.landmark_mean_backward.default, (grad, landmarks, 11))
     torch.library.opcheck(ops.landmark_mean_backward.default, (grad, positions, 11, torch.float16))
-    torch.library.opcheck(ops.landmark_gather_backward.default, (torch.randn(3, 4, 13, device=device, requires_grad=True), positions,
-                                                                 11))
+    gathered_grad = torch.randn(3, 4, 13, device=device, requires_grad=True)
+    torch.library.opcheck(ops.landmark_gather_backward.default, (gathered_grad, positions, 11))
 
 
 @pytest.mark.parametrize("name,kind", CASES)

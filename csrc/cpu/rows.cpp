@@ -243,7 +243,8 @@ void mean_backward(const Tensor& scaled, const RowSelection& rows, Tensor& grad_
 }
 
 void gather_forward(const Tensor& hidden, const Tensor& positions, Tensor& out) {
-  LMK_DISPATCH_FLOATING(hidden.scalar_type(), "landmark_gather", [&] { gather_rows<scalar_t>(hidden, positions, out); });
+  LMK_DISPATCH_FLOATING(hidden.scalar_type(), "landmark_gather",
+                        [&] { gather_rows<scalar_t>(hidden, positions, out); });
 }
 
 void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_hidden) {

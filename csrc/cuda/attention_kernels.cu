@@ -481,7 +481,8 @@ __global__ void attention_combine(const acc_t<scalar_t>* part_max, const acc_t<s
   // Summed in float64, compensated (ChunkSum), so the error does not grow with the number of chunks.
   const auto rescaled_sum = [&](int64_t part) {
     const acc m = part_max[part * heads + h];
-    const acc factor = m == best ? acc(1) : (m == -std::numeric_limits<acc>::infinity() ? acc(0) : device_exp(m - best));
+    const acc factor =
+        m == best ? acc(1) : (m == -std::numeric_limits<acc>::infinity() ? acc(0) : device_exp(m - best));
     return static_cast<double>(part_sum[part * heads + h] * factor);
   };
   ChunkSum text_total, text_weighted;
@@ -803,8 +804,8 @@ Plan make_plan(const Tensor& hidden, const AttentionRows& rows, const Tensor& qu
   }
   LMK_CHECK(
       head_dim / vec <= kMaxHeadPacks, "lmk_ops.attention_pool: on CUDA a head is at most ",
-      kMaxHeadPacks * kWidest, " features wide in ", torch::headeronly::toString(hidden.scalar_type()), " (", kMaxHeadPacks,
-      " when its width is not a multiple of ", kWidest, "), got ", head_dim);
+      kMaxHeadPacks * kWidest, " features wide in ", torch::headeronly::toString(hidden.scalar_type()), " (",
+      kMaxHeadPacks, " when its width is not a multiple of ", kWidest, "), got ", head_dim);
   RowList list = select_rows(rows.listed, batch, seq_len);
   ChunkPlan chunks = plan_chunks(list, batch, hidden);
   return {batch, seq_len, hidden.size(2), heads, head_dim, source, std::move(list), std::move(chunks),

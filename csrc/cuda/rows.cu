@@ -163,8 +163,8 @@ void list_entries(const Entries& entries, int64_t batch, Tensor& order, Tensor& 
     check_launch();
   }
   list_segments<<<batch * segments, kThreads, 0, stream()>>>(
-      entries, segments, counts.defined() ? counts.const_data_ptr<int32_t>() : nullptr, order.mutable_data_ptr<int64_t>(),
-      count.mutable_data_ptr<int64_t>());
+      entries, segments, counts.defined() ? counts.const_data_ptr<int32_t>() : nullptr,
+      order.mutable_data_ptr<int64_t>(), count.mutable_data_ptr<int64_t>());
   check_launch();
 }
 
@@ -474,7 +474,8 @@ void mean_backward(const Tensor& scaled, const RowSelection& rows, Tensor& grad_
     vec = packs_fit(scaled, vec) ? vec : 1;
     with_vector_width<scalar_t>(vec, [&]<int VEC>() {
       mean_backward_kernel<scalar_t, VEC><<<grid_for(batch * seq_len, kWarpsPerBlock), kThreads, 0, stream()>>>(
-          scaled.const_data_ptr<acc_t<scalar_t>>(), selection, batch, seq_len, dim, grad_hidden.mutable_data_ptr<scalar_t>());
+          scaled.const_data_ptr<acc_t<scalar_t>>(), selection, batch, seq_len, dim,
+          grad_hidden.mutable_data_ptr<scalar_t>());
       check_launch();
     });
   });
@@ -520,7 +521,8 @@ void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_h
     with_vector_width<scalar_t>(vec, [&]<int VEC>() {
       scatter_kernel<scalar_t, VEC><<<grid_for(batch * seq_len, kWarpsPerBlock), kThreads, 0, stream()>>>(
           grad.const_data_ptr<scalar_t>(), positions.const_data_ptr<int64_t>(), times.const_data_ptr<int32_t>(),
-          first.const_data_ptr<int32_t>(), batch, positions.size(1), seq_len, dim, grad_hidden.mutable_data_ptr<scalar_t>());
+          first.const_data_ptr<int32_t>(), batch, positions.size(1), seq_len, dim,
+          grad_hidden.mutable_data_ptr<scalar_t>());
       check_launch();
     });
   });

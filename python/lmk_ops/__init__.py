@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from . import _schemas  # noqa: F401  (the ops' schemas, which the compiled kernels register under)
 from ._loader import load_extension
 

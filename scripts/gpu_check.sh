@@ -13,6 +13,13 @@
 # wheel serves several torch versions on a GPU too, LMK_OPS_CUDA_WHEEL may name a CUDA wheel built elsewhere against
 # another torch (scripts/build_wheels.sh: dist/cu130/, against torch 2.13.0); tests/test_cuda.py then runs with it too.
 # (Through a tool that returns only a few files, bundle the folder: tar -C RESULTS_DIR -czf bundle.tgz .)
+# Device time is scarce, so the run keeps to a deadline: GPU_CHECK_SECONDS (default 540) from its start. Steps run
+# in order of what they prove (build, kernel tests, the suite's CUDA cases, memcheck, the report, the other
+# sanitizers, then the profiles, the CPU scaling and the end-to-end step), each under its own time cap cut to what is
+# left; a step the deadline leaves no room for is listed as not run. GPU_CHECK_SKIP names steps to leave out, e.g.
+# on a second call: GPU_CHECK_SKIP="suite racecheck synccheck initcheck" (keys: build test_cuda prebuilt suite
+# memcheck bench racecheck synccheck initcheck launch ncu scaling end_to_end; without build, the previous call's
+# build folder on a still-warm machine is reused by pip and rebuilds in seconds, so build is never skipped).
 set -uo pipefail
 results="${1:?usage: bash scripts/gpu_check.sh RESULTS_DIR}"
 mkdir -p "$results"
@@ -26,18 +33,32 @@ export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" TORCH_CUDA_ARCH_
 unset CI
 site="$(mktemp -d)"
 summary=()
+deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-540}))
+skip=" ${GPU_CHECK_SKIP:-} "
 
-# step NAME LOG COMMAND...: runs the command with its output in RESULTS_DIR/LOG, and notes how it ended.
+# step KEY CAP NAME LOG COMMAND...: runs the command (a function of this script or a program) with its output in
+# RESULTS_DIR/LOG, for at most CAP seconds and never past the deadline (10 s kept for the summary), and notes how
+# it ended: ok, FAILED, TIMEOUT, or not run (skipped by GPU_CHECK_SKIP, or no time left).
 step() {
-  local name="$1" log="$results/$2"
-  shift 2
-  local start=$SECONDS
-  echo "== $name"
-  "$@" >"$log" 2>&1
-  local rc=$?
+  local key="$1" cap="$2" name="$3" log="$results/$4"
+  shift 4
+  local left=$((deadline - SECONDS - 10)) start=$SECONDS rc status
+  if [[ "$skip" == *" $key "* ]] || ((left < 20)); then
+    status="$([[ "$skip" == *" $key "* ]] && echo skipped || echo "no time")"
+    summary+=("$(printf '%-34s %-8s %4ss  %s' "$name" "$status" 0 "(not run)")")
+    return 1
+  fi
+  ((cap > left)) && cap=$left
+  echo "== $name (at most ${cap} s)"
+  timeout -k 10 "$cap" bash -c '"$@"' step "$@" >"$log" 2>&1
+  rc=$?
   tail -n 5 "$log"
-  summary+=("$(printf '%-34s %-6s %4ss  %s' "$name" "$([ $rc -eq 0 ] && echo ok || echo FAILED)" \
-    $((SECONDS - start)) "$(basename "$log")")")
+  case $rc in
+    0) status=ok ;;
+    124 | 137) status=TIMEOUT ;;
+    *) status=FAILED ;;
+  esac
+  summary+=("$(printf '%-34s %-8s %4ss  %s' "$name" "$status" $((SECONDS - start)) "$(basename "$log")")")
   return $rc
 }
 
@@ -46,7 +67,8 @@ build() {
   "$py" -m pip wheel -v --no-build-isolation --no-deps -C cmake.define.LMK_OPS_CUDA=ON \
     -C build-dir=build/gpu-check -w "$site/wheel" . &&
     "$py" -m pip install -q --no-deps --target "$site/lib" "$site"/wheel/lmk_ops-*.whl &&
-    PYTHONPATH="$site/lib" "$py" -c "import lmk_ops, torch; print(torch.__version__, torch.cuda.get_device_name(), lmk_ops.build_info())" &&
+    PYTHONPATH="$site/lib" "$py" -c \
+      "import lmk_ops, torch; print(torch.__version__, torch.cuda.get_device_name(), lmk_ops.build_info())" &&
     # Whether this toolchain linked libstdc++ into the module (CMakeLists.txt: --exclude-libs keeps that copy private).
     { ldd "$site"/lib/lmk_ops/_C*.so | grep 'libstdc++' || echo "libstdc++: linked statically"; }
 }
@@ -66,34 +88,41 @@ sanitize() {
   in_site compute-sanitizer --tool "$1" --error-exitcode 1 --print-limit 20 "$py" "$root/scripts/cuda_kernel_tour.py"
 }
 
+# The steps run in a child bash (under timeout): it needs these functions and variables.
+export -f build in_site prebuilt sanitize
+export py site root results
 nvidia-smi -L >"$results/gpu.txt" 2>&1
-if step "build (torch on this machine)" build.log build; then
-  step "tests/test_cuda.py (-x)" test_cuda.log in_site "$py" -m pytest -q -x -p no:cacheprovider \
+if step build 300 "build (torch on this machine)" build.log build; then
+  step test_cuda 240 "tests/test_cuda.py (-x)" test_cuda.log in_site "$py" -m pytest -q -x -p no:cacheprovider \
     --junitxml="$results/test_cuda.xml" "$root/tests/test_cuda.py"
   if [ -n "${LMK_OPS_CUDA_WHEEL:-}" ]; then
-    step "tests/test_cuda.py, prebuilt wheel" test_cuda_prebuilt.log prebuilt
+    step prebuilt 180 "tests/test_cuda.py, prebuilt wheel" test_cuda_prebuilt.log prebuilt
   fi
   parallel=()
   "$py" -c "import xdist" 2>/dev/null && parallel=(-n 8)
-  step "suite, CUDA cases" test_suite_cuda.log in_site "$py" -m pytest -q -p no:cacheprovider "${parallel[@]}" -k cuda \
-    --junitxml="$results/test_suite_cuda.xml" "$root/tests" --ignore="$root/tests/test_cuda.py"
-  for tool in memcheck racecheck synccheck initcheck; do
-    step "compute-sanitizer $tool" "sanitizer_$tool.log" sanitize "$tool"
-  done
-  step "benchmark report (CUDA)" bench.log in_site "$py" -m lmk_ops.bench --device cuda \
+  step suite 300 "suite, CUDA cases" test_suite_cuda.log in_site "$py" -m pytest -q -p no:cacheprovider \
+    "${parallel[@]}" -k cuda --junitxml="$results/test_suite_cuda.xml" "$root/tests" \
+    --ignore="$root/tests/test_cuda.py"
+  step memcheck 150 "compute-sanitizer memcheck" sanitizer_memcheck.log sanitize memcheck
+  step bench 300 "benchmark report (CUDA)" bench.log in_site "$py" -m lmk_ops.bench --device cuda \
     --shapes 64x512x1024,8x8192x1024,1x32768x1024 --json "$results/bench-cuda.json"
-  step "host launches vs kernels (forward)" launch_overhead.log in_site "$py" "$root/scripts/cuda_profile.py"
+  for tool in racecheck synccheck initcheck; do
+    step "$tool" 150 "compute-sanitizer $tool" "sanitizer_$tool.log" sanitize "$tool"
+  done
+  step launch 120 "host launches vs kernels (forward)" launch_overhead.log in_site "$py" "$root/scripts/cuda_profile.py"
   # One row per kernel of the target cases: time, DRAM throughput (% of peak), occupancy, grid and registers.
-  step "ncu: kernels of the target cases" ncu.log in_site timeout 240 ncu --clock-control none --csv \
-    --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__block_size,launch__registers_per_thread \
-    "$py" "$root/scripts/cuda_profile.py" --once
-  step "CPU thread scaling (1, 4, all cores)" cpu_scaling.log in_site "$py" "$root/scripts/cpu_scaling.py" \
-    --json "$results/cpu-scaling.json"
-  step "end to end: BERT-base train step, inference" end_to_end.log in_site "$py" "$root/bench/end_to_end.py" \
-    --device cuda --json "$results/end_to_end.json"
+  metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
+  metrics+=,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__block_size
+  metrics+=,launch__registers_per_thread
+  step ncu 240 "ncu: kernels of the target cases" ncu.log in_site ncu --clock-control none --csv \
+    --metrics "$metrics" "$py" "$root/scripts/cuda_profile.py" --once
+  step scaling 180 "CPU thread scaling (1, 4, all cores)" cpu_scaling.log in_site "$py" \
+    "$root/scripts/cpu_scaling.py" --json "$results/cpu-scaling.json"
+  step end_to_end 240 "end to end: BERT-base train step, inference" end_to_end.log in_site "$py" \
+    "$root/bench/end_to_end.py" --device cuda --json "$results/end_to_end.json"
 fi
 
 echo
-echo "gpu_check summary ($(head -n 1 "$results/gpu.txt"); logs in $results)"
+echo "gpu_check summary ($(head -n 1 "$results/gpu.txt"); logs in $results; $SECONDS s)"
 printf '%s\n' "${summary[@]}"
-! printf '%s\n' "${summary[@]}" | grep -q FAILED
+! printf '%s\n' "${summary[@]}" | grep -qE "FAILED|TIMEOUT"

@@ -21,6 +21,7 @@ def test_report_writes_a_clean_table_and_its_json(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "\r" not in out and "[1/" in err  # progress only on stderr
     report = json.loads(path.read_text())
+    assert report["complete"] is True and not path.with_name("report.json.partial").exists()
     assert {(r["op"], r["mode"]) for r in report["rows"]} == {
         (op, mode) for op in ("mean_pool", "max_pool") for mode in ("forward", "forward+backward")}
     assert all(r["x_floor"] > 0 for r in report["rows"] if r["mode"] == "forward")
@@ -86,6 +87,20 @@ def test_bad_arguments_fail_before_anything_is_timed(args, message, tmp_path, ca
     _, err = capsys.readouterr()
     assert re.search(message, err), err
     assert "[1/" not in err
+
+
+def test_a_report_cut_short_leaves_the_cases_it_finished(tmp_path, monkeypatch):
+    """The JSON is rewritten after every case: a run stopped by a time limit (gpu_check.sh's) keeps what it timed."""
+    def stopped(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bench, "bench_packed", stopped)
+    path = tmp_path / "report.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--shapes", "1x4x8", "--ops", "mean_pool", "--dtype", "float32", "--packed", "2x1-4x8",
+                    "--json", str(path)])
+    report = json.loads(path.read_text())
+    assert report["complete"] is False and {r["mode"] for r in report["rows"]} == {"forward", "forward+backward"}
+    assert report["packed_rows"] == []
 
 
 def test_json_folders_are_created(tmp_path):

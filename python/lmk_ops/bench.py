@@ -507,10 +507,31 @@ def main(argv=None) -> int:
     print("times are medians in ms; 'x floor' = lmk_ops forward time / hidden.sum() time on the same tensor; "
           "'vs mean_pool' = lmk_ops.mean_pool forward time / landmark_mean forward time on the same tensor\n")
     print(HEADER, flush=True)
-    rows = []
+    rows: list[Row] = []
     # insert_landmarks works on token ids: one case per shape, whatever the dtypes.
     cases = [(op, dt, shape) for op in args.ops for dt in (args.dtype if op != "insert_landmarks" else ["int64"])
              for shape in args.shapes]
+    packed_rows: list[PackedRow] = []
+
+    def write_json(complete: bool) -> None:
+        """The report so far, to args.json (through a new file moved over it): rewritten after every case, so that
+        a run cut short (a time limit on a GPU machine) still leaves the cases it finished, marked incomplete."""
+        if not args.json:
+            return
+        report = {
+            "command": " ".join(["python", "-m", "lmk_ops.bench", *(argv if argv is not None else sys.argv[1:])]),
+            "complete": complete, "device": args.device, "machine": machine, "platform": platform.platform(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "build_info": info,
+            "padding": args.padding,
+            "rows": [asdict(r) | {"vs_eager": r.vs_eager, "vs_compiled": r.vs_compiled, "x_floor": r.x_floor,
+                                  "vs_mean_pool": r.vs_mean_pool} for r in rows],
+            "packed_rows": [asdict(r) | {"x_floor": r.x_floor, "vs_best": r.vs_best, "vs_padded": r.vs_padded}
+                            for r in packed_rows],
+        }
+        with open(f"{args.json}.partial", "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(f"{args.json}.partial", args.json)
+
     started = time.perf_counter()
     precompile(cases, args.device, args.padding)
     for i, (op, dt, shape) in enumerate(cases, 1):
@@ -518,8 +539,8 @@ def main(argv=None) -> int:
         for row in bench_case(op, dt, shape, args.device, args.padding):
             rows.append(row)
             print(format_row(row), flush=True)
+        write_json(complete=False)
         torch._dynamo.reset()  # keep compiled graphs of finished cases from piling up
-    packed_rows = []
     packed_cases = [(op, dt, spec) for spec in args.packed for op in PACKED_OPS if op in args.ops for dt in args.dtype]
     if packed_cases:
         print("\npacked batches (cu_seqlens): 'padded' = lmk_ops on the same texts padded; seg_red, idx_add, idx_f32 ="
@@ -530,21 +551,10 @@ def main(argv=None) -> int:
         print(f"  [packed {i}/{len(packed_cases)}] {op} {dt} ...", end="\r", file=sys.stderr, flush=True)
         packed_rows.append(bench_packed(op, dt, spec, args.device))
         print(format_packed_row(packed_rows[-1]), flush=True)
+        write_json(complete=False)
     print(f"\n{len(cases) + len(packed_cases)} cases in {time.perf_counter() - started:.0f} s")
-
+    write_json(complete=True)
     if args.json:
-        report = {
-            "command": " ".join(["python", "-m", "lmk_ops.bench", *(argv if argv is not None else sys.argv[1:])]),
-            "device": args.device, "machine": machine, "platform": platform.platform(),
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "build_info": info,
-            "padding": args.padding,
-            "rows": [asdict(r) | {"vs_eager": r.vs_eager, "vs_compiled": r.vs_compiled, "x_floor": r.x_floor,
-                                  "vs_mean_pool": r.vs_mean_pool} for r in rows],
-            "packed_rows": [asdict(r) | {"x_floor": r.x_floor, "vs_best": r.vs_best, "vs_padded": r.vs_padded}
-                            for r in packed_rows],
-        }
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
         print(f"wrote {args.json}")
     return 0
 

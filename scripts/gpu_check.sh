@@ -32,35 +32,8 @@ export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" TORCH_CUDA_ARCH_
 # set (tests/packages.py: CI's setup installs them): this is not CI.
 unset CI
 site="$(mktemp -d)"
-summary=()
-deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-540}))
-skip=" ${GPU_CHECK_SKIP:-} "
-
-# step KEY CAP NAME LOG COMMAND...: runs the command (a function of this script or a program) with its output in
-# RESULTS_DIR/LOG, for at most CAP seconds and never past the deadline (10 s kept for the summary), and notes how
-# it ended: ok, FAILED, TIMEOUT, or not run (skipped by GPU_CHECK_SKIP, or no time left).
-step() {
-  local key="$1" cap="$2" name="$3" log="$results/$4"
-  shift 4
-  local left=$((deadline - SECONDS - 10)) start=$SECONDS rc status
-  if [[ "$skip" == *" $key "* ]] || ((left < 20)); then
-    status="$([[ "$skip" == *" $key "* ]] && echo skipped || echo "no time")"
-    summary+=("$(printf '%-34s %-8s %4ss  %s' "$name" "$status" 0 "(not run)")")
-    return 1
-  fi
-  ((cap > left)) && cap=$left
-  echo "== $name (at most ${cap} s)"
-  timeout -k 10 "$cap" bash -c '"$@"' step "$@" >"$log" 2>&1
-  rc=$?
-  tail -n 5 "$log"
-  case $rc in
-    0) status=ok ;;
-    124 | 137) status=TIMEOUT ;;
-    *) status=FAILED ;;
-  esac
-  summary+=("$(printf '%-34s %-8s %4ss  %s' "$name" "$status" $((SECONDS - start)) "$(basename "$log")")")
-  return $rc
-}
+# step, and the deadline it keeps to (GPU_CHECK_SECONDS, GPU_CHECK_SKIP).
+source "$root/scripts/deadline_steps.sh"
 
 build() {
   # A wheel installed into a private directory: the machine's Python may refuse installs into itself.
@@ -124,5 +97,4 @@ fi
 
 echo
 echo "gpu_check summary ($(head -n 1 "$results/gpu.txt"); logs in $results; $SECONDS s)"
-printf '%s\n' "${summary[@]}"
-! printf '%s\n' "${summary[@]}" | grep -qE "FAILED|TIMEOUT"
+print_summary

@@ -241,7 +241,8 @@ def case_inputs(op, dtype_name, shape, device, padding) -> Case:
     dtype = DTYPES[dtype_name]
     hidden, mask = shared_inputs(tuple(shape), dtype_name, device, padding)
     rows = landmark_layout(mask, LANDMARK_ENTRIES[op]) if op in LANDMARK_ENTRIES else mask
-    second, row_name = rows, op
+    second: object = rows  # the op's second argument: rows, or (mask, query) for attention
+    row_name = op
     if op in ATTENTION_ENTRIES:
         heads = ATTENTION_ENTRIES[op](shape[2])
         row_name = f"attention_pool@{heads}h"

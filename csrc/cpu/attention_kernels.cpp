@@ -178,15 +178,40 @@ inline __m256 sum_lanes8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// a + b with a's and b's lanes chosen by two-source shuffles, once each way: even/odd picks (of 128-bit quarters
+// with Quarters, of lanes within each quarter otherwise), so that every lane of the result adds two of the same
+// vector's lanes.
+template <int kEven, int kOdd, bool Quarters>
+[[gnu::always_inline]] inline __m512 add_shuffled(__m512 a, __m512 b) {
+  if constexpr (Quarters) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, kEven), _mm512_shuffle_f32x4(a, b, kOdd));
+  } else {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, kEven), _mm512_shuffle_ps(a, b, kOdd));
+  }
+}
+#endif
+
 // The sums of Vec<float>::size() vectors' lanes, as one vector (lane h: the sum of v[h]'s lanes); an AVX-512
 // vector's two halves are added first.
 inline Vec<float> sum_lanes_each(const Vec<float>* v) {
 #if defined(CPU_CAPABILITY_AVX512)
-  __m256 halves[16];
-  for (int j = 0; j < 16; ++j) {
-    halves[j] = _mm256_add_ps(_mm512_castps512_ps256(v[j].v), _mm512_extractf32x8_ps(v[j].v, 1));
+  // A tree of two-source shuffles and adds, each level halving the vectors (45 instructions where 256-bit halves
+  // and hadd took 75, a fifth of a 16-head row's score pass): the halves of two vectors (lanes i and i + 8), then
+  // adjacent lanes, adjacent pairs, and the two 128-bit quarters that hold a vector's two quads, the additions of
+  // sum_lanes_as_each in its order. The inputs are taken in the order that leaves lane h holding v[h]'s sum.
+  constexpr int kOrder[16] = {0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15};
+  __m512 halves[8], lanes[4], pairs[2];
+  for (int j = 0; j < 8; ++j) {
+    halves[j] = add_shuffled<0x44, 0xEE, true>(v[kOrder[2 * j]].v, v[kOrder[2 * j + 1]].v);
   }
-  return Vec<float>(_mm512_insertf32x8(_mm512_castps256_ps512(sum_lanes8(halves)), sum_lanes8(halves + 8), 1));
+  for (int j = 0; j < 4; ++j) {
+    lanes[j] = add_shuffled<0x88, 0xDD, false>(halves[2 * j], halves[2 * j + 1]);
+  }
+  for (int j = 0; j < 2; ++j) {
+    pairs[j] = add_shuffled<0x88, 0xDD, false>(lanes[2 * j], lanes[2 * j + 1]);
+  }
+  return Vec<float>(add_shuffled<0x88, 0xDD, true>(pairs[0], pairs[1]));
 #else
   __m256 lanes[8];
   for (int j = 0; j < 8; ++j) {
@@ -211,7 +236,15 @@ inline float sum_lanes_as_each(const Vec<float>& v) {
 }
 #endif
 
-// partial_dots<R, false> of bfloat16 rows and a query in pair order (n a multiple of kPairBlock).
+// partial_dots<R, false> of bfloat16 rows and a query in pair order (n a multiple of kPairBlock). With AVX-512 a
+// narrow head of two pair blocks (64 features) is one chain of multiply-adds per row instead of four chains and
+// three additions: the four rows scored together (kScoreRows) overlap their chains, and the additions were a fifth
+// of such a head's score. (This and sum_lanes_each's tree, on a 2-core Intel Xeon, bfloat16 with 16 heads of 64,
+// three rounds in alternating processes: one thread on 512x1024 in L2 147-150 -> 140-145 ns a row, 2 threads on
+// 1x32768x1024 from memory 178-180 -> 169-174.) Not with AVX2, whose two rows' chains did not overlap enough: its
+// heads of 32 in one chain took 212-215 -> 242-251 ns a row.
+constexpr bool kChainNarrowHeads = kVectorBytes == 64;
+
 template <int R, typename Ahead>
 [[gnu::always_inline]] inline void partial_dots_pairs(const c10::BFloat16* const* x, const float* q, int64_t n,
                                                       const Ahead& ahead, Vec<float>* out) {
@@ -220,6 +253,18 @@ template <int R, typename Ahead>
   V s[R][4];
   for (int r = 0; r < R; ++r) {
     s[r][0] = s[r][1] = s[r][2] = s[r][3] = V(0);
+  }
+  if (kChainNarrowHeads && n == 2 * kPairBlock) {  // one chain per row, the rows' chains independent
+    for (int r = 0; r < R; ++r) {
+      prefetch_span<2 * kPairBlock>(ahead(0, r, 2 * kPairBlock), 0);
+    }
+    const V q0 = V::loadu(q), q1 = V::loadu(q + kHalf), q2 = V::loadu(q + kPairBlock),
+            q3 = V::loadu(q + kPairBlock + kHalf);
+    for (int r = 0; r < R; ++r) {
+      const Pairs a = load_pairs(x[r]), b = load_pairs(x[r] + kPairBlock);
+      out[r] = fmadd(b.odd, q3, fmadd(b.even, q2, fmadd(a.odd, q1, a.even * q0)));
+    }
+    return;
   }
   int64_t i = 0;
   for (; i + 2 * kPairBlock <= n; i += 2 * kPairBlock) {  // two blocks a round: four independent chains

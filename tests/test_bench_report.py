@@ -72,6 +72,22 @@ def test_precompile_fills_the_compile_cache_the_report_then_loads(monkeypatch):
     assert counters["inductor"]["fxgraph_cache_hit"] >= 1 and counters["inductor"]["fxgraph_cache_miss"] == 0
 
 
+@pytest.mark.parametrize("environ,separate", [
+    ({"ATEN_CPU_CAPABILITY": "avx2"}, True),
+    ({"ATEN_CPU_CAPABILITY": "AVX2", "TORCHINDUCTOR_CACHE_DIR": "/chosen"}, False),  # the user's choice stands
+    ({}, False),
+])
+def test_a_capability_set_by_hand_compiles_into_its_own_cache(environ, separate):
+    """torch's compile cache does not tell CPU capabilities apart (a contender compiled with AVX-512 and loaded
+    under ATEN_CPU_CAPABILITY=avx2 computed out-of-range indices): such a report keeps its own folder."""
+    before = dict(environ)
+    folder = bench.capability_compile_cache(environ)
+    if separate:
+        assert folder is not None and folder.endswith("_avx2") and environ["TORCHINDUCTOR_CACHE_DIR"] == folder
+    else:
+        assert folder is None and environ == before
+
+
 @pytest.mark.parametrize("args,message", [
     (["--shapes", "0x16x64"], r"expected shapes like 32x512x768\[,8x4096x1024\], sizes >= 1, got '0x16x64'"),
     (["--packed", "3x0-0x64"], r"expected a packed batch like 120x16-2048x768 \(B, the longest text and D >= 1"),

@@ -19,7 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -272,6 +272,21 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def capability_compile_cache(environ: MutableMapping[str, str] = os.environ) -> str | None:
+    """Gives the report's compiles a cache folder of their own where ATEN_CPU_CAPABILITY is set and
+    TORCHINDUCTOR_CACHE_DIR is not, and returns it (None: nothing changed). torch's compile cache is not keyed by
+    that variable: on an AVX-512 machine, max_pool's contender compiled by a plain report and loaded by one under
+    ATEN_CPU_CAPABILITY=avx2 computed out-of-range indices in its backward (torch 2.13: "index 98369 is out of
+    bounds for dimension 1 with size 512"), and the report stopped there."""
+    capability = environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if not capability or environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return None
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    folder = os.path.join(tempfile.gettempdir(), f"torchinductor_lmk_ops_bench_{user}_{capability}")
+    environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    return folder
+
+
 def precompile(cases, device, padding) -> None:
     """Fills torch's compile cache (on disk) with the contenders of the report's cases, compiled in one process per
     core, so that the report's own first calls load them. Compiling them one after the other was about 150 s of a
@@ -509,6 +524,10 @@ def main(argv=None) -> int:
         if os.path.isdir(args.json):
             parser.error(f"--json: expected a file path, got the folder {args.json}")
 
+    own_cache = capability_compile_cache()
+    if own_cache:
+        print(f"ATEN_CPU_CAPABILITY is set: the contenders compile into {own_cache} (torch's compile cache does not "
+              "tell capabilities apart)", file=sys.stderr)
     info = lmk_ops.build_info()
     machine = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
     print(f"lmk_ops {info['version']} | torch {torch.__version__} | {args.device}: {machine} | "

@@ -770,14 +770,17 @@ _OUTPUT_CASES = {
     "first_token_pool packed": lambda h, m: lmk_ops.first_token_pool(
         h.flatten(0, 1), m.flatten(), cu_seqlens=torch.tensor([0, 5, 10])),
     "attention weights": lambda h, m: lmk_ops.attention_pool(h, m, torch.ones(4, 2), return_weights=True)[1],
+    "attention_pool": lambda h, m: lmk_ops.attention_pool(h, m, torch.linspace(-1, 1, 8)),
+    "attention_pool packed, 4 heads": lambda h, m: lmk_ops.attention_pool(
+        h.flatten(0, 1), m.flatten(), torch.linspace(-1, 1, 8).reshape(4, 2), cu_seqlens=torch.tensor([0, 5, 10])),
 }
 
 
 @pytest.mark.parametrize("case", _OUTPUT_CASES)
 def test_outputs_can_be_changed_in_place_under_autograd(case):
     """emb /= emb.norm(...) on a pooled embedding: each op's output is a tensor of its own (a view made inside an op
-    cannot be changed in place under autograd; first/last_token_pool's was one), and the gradient is what the same
-    change out of place gives."""
+    cannot be changed in place under autograd; first/last_token_pool's was one), not saved for the backward as
+    returned (attention_pool's was), and the gradient is what the same change out of place gives."""
     fn = _OUTPUT_CASES[case]
     base = torch.randn(2, 5, 8, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 0, 0]], dtype=torch.bool)

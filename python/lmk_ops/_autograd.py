@@ -162,13 +162,15 @@ def _token_pool_backward(ctx, grad, _grad_positions):
 
 # attention_pool: the backward recomputes the probabilities from hidden, query and the saved softmax statistics
 # ([B, H, 2]: max score and sum of exp(score - max)), works relative to the output [B, D] for accuracy, and returns
-# the gradients of hidden and of query (the weights' gradient joins in when they were returned).
+# the gradients of hidden and of query (the weights' gradient joins in when they were returned). It keeps a copy of
+# the output ([B, D], small beside hidden): saved as returned, an in-place change to it before backward()
+# (emb /= norm) was refused, where the other ops and the eager form allow it.
 def _attention_pool_setup(ctx, inputs, output):
     hidden, mask, query, scale, return_weights, cu_seqlens, max_seqlen = inputs
     out, stats, _ = output
     ctx.scale, ctx.return_weights, ctx.max_seqlen = scale, return_weights, max_seqlen
     ctx.mark_non_differentiable(stats)
-    ctx.save_for_backward(hidden, mask, query, out, stats, cu_seqlens)
+    ctx.save_for_backward(hidden, mask, query, out.detach().clone(), stats, cu_seqlens)
 
 
 def _attention_pool_backward(ctx, grad, _grad_stats, grad_weights):

@@ -250,10 +250,6 @@ template <int R, typename Ahead>
                                                       const Ahead& ahead, Vec<float>* out) {
   using V = Vec<float>;
   constexpr int64_t kHalf = kPairBlock / 2;
-  V s[R][4];
-  for (int r = 0; r < R; ++r) {
-    s[r][0] = s[r][1] = s[r][2] = s[r][3] = V(0);
-  }
   if (kChainNarrowHeads && n == 2 * kPairBlock) {  // one chain per row, the rows' chains independent
     for (int r = 0; r < R; ++r) {
       prefetch_span<2 * kPairBlock>(ahead(0, r, 2 * kPairBlock), 0);
@@ -265,6 +261,10 @@ template <int R, typename Ahead>
       out[r] = fmadd(b.odd, q3, fmadd(b.even, q2, fmadd(a.odd, q1, a.even * q0)));
     }
     return;
+  }
+  V s[R][4];
+  for (int r = 0; r < R; ++r) {
+    s[r][0] = s[r][1] = s[r][2] = s[r][3] = V(0);
   }
   int64_t i = 0;
   for (; i + 2 * kPairBlock <= n; i += 2 * kPairBlock) {  // two blocks a round: four independent chains

@@ -47,7 +47,7 @@ def test_landmark_gather_matches_reference(case, device):
     vectors, valid = lmk_ops.landmark_gather(case.hidden, case.landmarks)
     ref_vectors, ref_valid = reference.landmark_gather(case.hidden, case.landmarks)
     assert torch.equal(valid, ref_valid) and torch.equal(vectors, ref_vectors)  # a copy: exact
-    grad = torch.randn(vectors.shape, dtype=torch.float64).to(vectors.dtype)
+    grad = torch.randn(vectors.shape, dtype=torch.float64).to(vectors)
     check_pair("landmark_gather", lambda h, lm: lmk_ops.landmark_gather(h, lm)[0],
                lambda h, lm: reference.landmark_gather(h, lm)[0], case.hidden, case.landmarks, grad)
 

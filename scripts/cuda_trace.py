@@ -1,0 +1,75 @@
+"""What each CUDA op does per call, by torch.profiler: the kernels it launches with their device time, and the host
+side (ATen calls made through the dispatcher, CUDA runtime calls: launches, copies, synchronisations, allocations)
+with its time. Where the report's figure is far above the kernels' sum, these say which host work sets it.
+
+Cases: every report op at 64x512x1024 in float32 and bfloat16, forward and forward+backward; one long text
+(1x32768x1024 bfloat16) forward of mean and of attention with heads 64 wide; packed mean and first-token pooling of
+32 short texts. Usage: python scripts/cuda_trace.py [--rows N] > trace.log"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import lmk_ops
+from lmk_ops import bench
+
+OPS = ["mean_pool", "max_pool", "landmark_mean@32", "attention_pool@1h", "attention_pool@64d", "first_token_pool"]
+CALLS = 10
+
+
+def host_us_per_call(fn) -> float:
+    """Wall time per call of CALLS calls queued back to back, one synchronisation at the end."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / CALLS * 1e6
+
+
+def trace(title: str, fn, rows: int) -> None:
+    per_call = host_us_per_call(fn)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(CALLS):
+            fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events) / CALLS
+    print(f"\n=== {title}: {per_call:.1f} us a call queued back to back; kernels {device_us:.1f} us a call", flush=True)
+    print(f"{'calls':>6s} {'host us':>9s} {'device us':>9s}  name (per call of the op)")
+    for e in sorted(events, key=lambda e: -(e.self_device_time_total + e.self_cpu_time_total))[:rows]:
+        print(f"{e.count / CALLS:6.1f} {e.self_cpu_time_total / CALLS:9.1f} {e.self_device_time_total / CALLS:9.1f}  "
+              f"{e.key[:110]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=18, help="rows of each case's table")
+    args = parser.parse_args()
+    cases = [(op, d, (64, 512, 1024)) for d in ("float32", "bfloat16") for op in OPS]
+    cases += [("mean_pool", "bfloat16", (1, 32768, 1024)), ("attention_pool@64d", "bfloat16", (1, 32768, 1024))]
+    for op, dtype_name, shape in cases:
+        case = bench.case_inputs(op, dtype_name, shape, "cuda", 0.0)
+        fn = bench.implementations(op)["lmk_ops"]
+        name = f"{case.row_name} {dtype_name} {'x'.join(map(str, shape))}"
+        with torch.no_grad():
+            trace(f"{name} forward", lambda: fn(case.hidden, case.second), args.rows)
+        hidden, second = case.with_grad()
+        trace(f"{name} forward+backward",
+              lambda: bench.forward_backward(fn, hidden, second, case.grad), args.rows)
+    lengths = torch.randint(20, 120, (32,), generator=torch.Generator().manual_seed(3))
+    offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to("cuda", torch.int32)
+    packed = torch.randn(int(lengths.sum()), 768, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        trace("packed mean_pool bfloat16 32 texts", lambda: lmk_ops.mean_pool(packed, cu_seqlens=offsets), args.rows)
+        trace("packed first_token_pool bfloat16 32 texts",
+              lambda: lmk_ops.first_token_pool(packed, cu_seqlens=offsets), args.rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -5,6 +5,7 @@ Skipped without a GPU. The Hypothesis parity, opcheck, gradcheck and compile tes
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -294,3 +295,24 @@ def test_empty_and_degenerate_shapes():
 
 def test_build_info_reports_cuda():
     assert lmk_ops.build_info()["cuda"] is True
+
+
+def test_aligned_rows_take_the_vector_kernels():
+    """Contiguous float32 rows of whole 16-byte packs are read and written four features a thread: every row kernel
+    of mean, max, gather and their backwards is the VEC = 4 instance (they all once took the scalar path, unseen by
+    any result: only the kernel's name, from the profiler, tells)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    hidden = torch.randn(4, 300, 64, device="cuda", requires_grad=True)
+    mask = torch.rand(4, 300, device="cuda") < 0.9
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for out in (lmk_ops.mean_pool(hidden, mask), lmk_ops.max_pool(hidden, mask),
+                    lmk_ops.landmark_gather(hidden, _landmarks(mask))[0]):
+            out.sum().backward()
+        torch.cuda.synchronize()
+    # "void lmk_ops::cuda::(anonymous namespace)::pool_chunks<false, float, float, 4>(float const*, ...)"
+    names = {m.group(1) for e in prof.key_averages() if (m := re.search(r"::(\w+<[^()]*>)\(", e.key))}
+    row_kernels = ["pool_chunks", "mean_backward_kernel", "max_backward_kernel", "gather_kernel", "scatter_kernel"]
+    launched = {n for n in names if n.split("<")[0] in row_kernels}
+    assert {n.split("<")[0] for n in launched} == set(row_kernels), names
+    assert all(n.endswith(", 4>") for n in launched), launched

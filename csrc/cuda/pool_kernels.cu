@@ -195,12 +195,16 @@ __global__ void combine_chunks(const partial_t<kMax, scalar_t>* partial, const i
   if (n <= kChunkRows) {
     return;
   }
-  const int64_t first = chunks.first[b];
+  const int64_t first = chunks.first[b], used = ceil_div(n, kChunkRows);
   const acc* p = partial + first * dim + d;
+  // The loops are unrolled so that a thread has several partials' loads in flight: a thread walks all of a text's
+  // chunks (256 for 32k rows), and one load at a time made this kernel outlast the chunks' (76 us against 73 on an
+  // H100 for one bfloat16 text of 32768 x 1024). The additions keep their order.
   if constexpr (kMax) {
     acc value = p[0];
     int64_t where = partial_where[first * dim + d];
-    for (int64_t c = 1; c < ceil_div(n, kChunkRows); ++c) {
+#pragma unroll 8
+    for (int64_t c = 1; c < used; ++c) {
       const int32_t at = partial_where[(first + c) * dim + d];
       if (takes_over(p[c * dim], at, value, where)) {
         value = p[c * dim];
@@ -211,7 +215,8 @@ __global__ void combine_chunks(const partial_t<kMax, scalar_t>* partial, const i
     argmax[i] = static_cast<int32_t>(where);
   } else {
     ChunkSum total;
-    for (int64_t c = 0; c < ceil_div(n, kChunkRows); ++c) {
+#pragma unroll 8
+    for (int64_t c = 0; c < used; ++c) {
       total.add(p[c * dim]);
     }
     out[i] = static_cast<out_t>(total.value());
@@ -233,7 +238,7 @@ void pool_forward(const Tensor& hidden, const RowSelection& selection, Tensor& o
   auto* argmax_data = kMax ? argmax->mutable_data_ptr<int32_t>() : nullptr;
   auto* partial_data = partial.defined() ? partial.mutable_data_ptr<partial_t<kMax, scalar_t>>() : nullptr;
   auto* partial_where_data = partial_where.defined() ? partial_where.mutable_data_ptr<int32_t>() : nullptr;
-  with_vector_width<scalar_t>(vector_width<scalar_t>(hidden, 1), [&]<int VEC>() {
+  with_vector_width<scalar_t>(vector_width<scalar_t>(hidden), [&]<int VEC>() {
     const int64_t packs = dim / VEC;
     const int lanes = kFeatureLanes, row_lanes = kThreads / kFeatureLanes;
     const int64_t tiles = ceil_div(packs, lanes);

@@ -470,7 +470,7 @@ void mean_backward(const Tensor& scaled, const RowSelection& rows, Tensor& grad_
   const SelectionView selection{rows.mask.defined() ? rows.mask.const_data_ptr<bool>() : nullptr,
                                 times.defined() ? times.const_data_ptr<int32_t>() : nullptr};
   LMK_DISPATCH_FLOATING(grad_hidden.scalar_type(), "mean_backward", [&] {
-    int vec = vector_width<scalar_t>(grad_hidden, 1);
+    int vec = vector_width<scalar_t>(grad_hidden);
     vec = packs_fit(scaled, vec) ? vec : 1;
     with_vector_width<scalar_t>(vec, [&]<int VEC>() {
       mean_backward_kernel<scalar_t, VEC><<<grid_for(batch * seq_len, kWarpsPerBlock), kThreads, 0, stream()>>>(
@@ -485,7 +485,7 @@ void max_backward(const Tensor& grad, const Tensor& argmax, Tensor& grad_hidden)
   const auto guard = on_device_of(grad_hidden);
   const int64_t batch = grad_hidden.size(0), seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
   LMK_DISPATCH_FLOATING(grad_hidden.scalar_type(), "max_pool_backward", [&] {
-    int vec = vector_width<scalar_t>(grad_hidden, 1);
+    int vec = vector_width<scalar_t>(grad_hidden);
     vec = packs_fit(grad, vec) && packs_fit(argmax, vec) ? vec : 1;
     with_vector_width<scalar_t>(vec, [&]<int VEC>() {
       max_backward_kernel<scalar_t, VEC><<<grid_for(batch * seq_len, kWarpsPerBlock), kThreads, 0, stream()>>>(
@@ -503,7 +503,7 @@ void gather_forward(const Tensor& hidden, const Tensor& positions, Tensor& out) 
     return;
   }
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "landmark_gather", [&] {
-    with_vector_width<scalar_t>(vector_width<scalar_t>(hidden, 1), [&]<int VEC>() {
+    with_vector_width<scalar_t>(vector_width<scalar_t>(hidden), [&]<int VEC>() {
       gather_kernel<scalar_t, VEC><<<grid_for(batch * listed, kWarpsPerBlock), kThreads, 0, stream()>>>(
           hidden.const_data_ptr<scalar_t>(), hidden.stride(0), hidden.stride(1), hidden.stride(2),
           positions.const_data_ptr<int64_t>(), batch, listed, dim, out.mutable_data_ptr<scalar_t>());
@@ -517,7 +517,7 @@ void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_h
   const int64_t batch = grad_hidden.size(0), seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
   const auto [times, first] = invert_positions(positions, seq_len, /*with_first=*/true);
   LMK_DISPATCH_FLOATING(grad_hidden.scalar_type(), "landmark_gather_backward", [&] {
-    const int vec = std::min(vector_width<scalar_t>(grad_hidden, 1), vector_width<scalar_t>(grad, 1));
+    const int vec = std::min(vector_width<scalar_t>(grad_hidden), vector_width<scalar_t>(grad));
     with_vector_width<scalar_t>(vec, [&]<int VEC>() {
       scatter_kernel<scalar_t, VEC><<<grid_for(batch * seq_len, kWarpsPerBlock), kThreads, 0, stream()>>>(
           grad.const_data_ptr<scalar_t>(), positions.const_data_ptr<int64_t>(), times.const_data_ptr<int32_t>(),

@@ -50,10 +50,11 @@ FUNCTIONS = {
 
 # (B, L, D, layout): one chunk and many chunks (L > 128), 16-byte packs and the scalar path (odd D, strided
 # features), a wide head (D = 1024: 128 lanes of bf16, whole warps per head) and several small ones, texts listed by
-# several blocks (L > 4096) with mask rows that are not 16-byte aligned (L % 16 != 0).
+# several blocks (L > 4096) with mask rows that are not 16-byte aligned (L % 16 != 0), and a batch whose chunks are
+# numbered in runs of several texts a thread (B > 256, texts of 0-3 chunks).
 SHAPES = [(3, 50, 64, "contiguous"), (2, 1000, 96, "contiguous"), (1, 4100, 40, "contiguous"),
           (4, 300, 33, "contiguous"), (3, 200, 48, "transposed"), (2, 333, 1024, "contiguous"),
-          (5, 130, 40, "offset"), (3, 4500, 24, "contiguous")]
+          (5, 130, 40, "offset"), (3, 4500, 24, "contiguous"), (700, 300, 16, "contiguous")]
 
 
 def _hidden(shape, layout, dtype):

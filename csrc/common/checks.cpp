@@ -102,7 +102,7 @@ Tensor mask_as_bool(const char* op, const Tensor& m, Values values, const char* 
   // The device's range check: raises on the CPU, a device-side assertion on CUDA (common/kernel_types.h).
   const auto check_values = [&](const Tensor& as_long) {
     kernels_for(m).check_range(as_long, 0, 1, std::string("lmk_ops.") + op + ": expected " + name + " values 0 or 1",
-                               /*landmarks=*/false);
+                               EntryName::kIndex);
   };
   if (takes_host_path(m)) {  // one pass that checks and converts, where the generic form costs several operator calls
     const Tensor as_long = as_contiguous(to_dtype(m, ScalarType::Long));  // no copy for the usual int64 mask
@@ -156,7 +156,7 @@ Tensor prepare_positions(
     std::ostringstream expected;
     expected << "lmk_ops." << op << ": expected landmark positions in [0, L) = [0, " << seq_len
              << ") or -1 for none";
-    kernels_for(p).check_range(p, -1, seq_len - 1, expected.str(), /*landmarks=*/true);
+    kernels_for(p).check_range(p, -1, seq_len - 1, expected.str(), EntryName::kLandmarks);
   }
   return p;
 }

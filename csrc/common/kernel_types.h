@@ -43,12 +43,16 @@ struct AttentionRows {
   }
 };
 
+// How check_range names the first bad value after "<expected>, got V": " at [r, c]" (" at [i]" for values [n]),
+// " in row r (landmarks[r, c])", or nothing where the message names the one entry checked ("cu_seqlens[0]").
+enum class EntryName { kIndex, kLandmarks, kNone };
+
 // The kernel table of one device (for the CPU, of one capability).
 struct Kernels {
-  // Checks that every value of int64 values [rows, cols] or [n] (contiguous) lies in [lo, hi]. Else: "<expected>,
-  // got V at [r, c]" ("at [i]" for [n]; with landmarks: "<expected>, got V in row r (landmarks[r, c])") for the first
-  // value outside, raised at once on the CPU, and on CUDA printed by a device-side assertion, without synchronising.
-  void (*check_range)(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, bool landmarks);
+  // Checks that every value of int64 values [rows, cols] or [n] (contiguous) lies in [lo, hi]. Else "<expected>,
+  // got V" and the entry, named as `naming` says, for the first value outside: raised at once on the CPU, and on
+  // CUDA printed by a device-side assertion, without synchronising.
+  void (*check_range)(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, EntryName naming);
   // hidden [B, L, D] with any strides; out [B, D] contiguous, in hidden's dtype or in its accumulation type
   // (float32, float64 for float64), which keeps the mean unrounded for a normalisation that follows.
   void (*mean_forward)(const Tensor& hidden, const RowSelection& rows, Tensor& out);

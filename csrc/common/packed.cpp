@@ -33,22 +33,23 @@ void check_offsets(const char* op, const PackedBatch& packed, const Tensor& like
     }
   }
   const Kernels& k = kernels_for(like);
-  const auto entry = [&](int64_t i) { return torch::stable::view(slice(packed.offsets, 0, i, 1), {1, 1}); };
-  k.check_range(entry(0), 0, 0, message(op, "expected cu_seqlens[0] = 0"), false);
+  // One entry each, which the message names; the lengths [B] by their index, the text's.
+  const auto entry = [&](int64_t i) { return slice(packed.offsets, 0, i, 1); };
+  k.check_range(entry(0), 0, 0, message(op, "expected cu_seqlens[0] = 0"), EntryName::kNone);
   k.check_range(entry(packed.batch), packed.tokens, packed.tokens,
                 message(op, "expected cu_seqlens[-1] = T = " + std::to_string(packed.tokens) + " (" + tokens_are + ")"),
-                false);
+                EntryName::kNone);
   if (packed.batch > 0) {
-    const Tensor lengths = torch::stable::view(packed.lengths, {1, packed.batch});
+    const Tensor lengths = as_contiguous(packed.lengths);
     k.check_range(lengths, 0, std::numeric_limits<int64_t>::max(),
                   message(op, "expected non-decreasing cu_seqlens (text b has cu_seqlens[b + 1] - cu_seqlens[b] >= 0 "
-                              "tokens; the value is that length, the column b)"),
-                  false);
+                              "tokens; the value is that length, the index b)"),
+                  EntryName::kIndex);
     if (packed.max_seqlen.has_value()) {
       k.check_range(lengths, 0, longest,
                     message(op, "expected every text at most max_seqlen = " + std::to_string(longest) +
-                                    " tokens long (the value is a text's length, the column its index)"),
-                    false);
+                                    " tokens long (the value is a text's length, the index its text's)"),
+                    EntryName::kIndex);
     }
   }
 }
@@ -193,7 +194,7 @@ Tensor prepare_packed_positions(const char* op, const Tensor& positions, const P
         as_contiguous(where(bad, p, -1)), -1, -1,
         message(op, "expected landmark positions in [0, length of their text) (counted from the text's start in "
                     "cu_seqlens) or -1 for none"),
-        /*landmarks=*/true);
+        EntryName::kLandmarks);
   }
   return as_contiguous(packed.absolute(p));
 }

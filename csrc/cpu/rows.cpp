@@ -212,13 +212,16 @@ RowListing list_rows(const RowSelection& selection, int64_t batch, int64_t seq_l
   return {std::move(order), std::move(count), {}, RowList{o, c, nullptr, width, seq_len, /*listed=*/true}};
 }
 
-void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, bool landmarks) {
+void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, EntryName naming) {
   const int64_t* data = values.const_data_ptr<int64_t>();
   const int64_t numel = values.numel(), cols = values.size(-1);
   for (int64_t i = 0; i < numel; ++i) {
     if (data[i] < lo || data[i] > hi) {
       const int64_t r = i / cols, c = i % cols;
-      if (landmarks) {
+      if (naming == EntryName::kNone) {
+        ::lmk_ops::fail(expected, ", got ", data[i]);
+      }
+      if (naming == EntryName::kLandmarks) {
         ::lmk_ops::fail(expected, ", got ", data[i], " in row ", r, " (landmarks[", r, ", ", c, "])");
       }
       if (values.dim() == 1) {

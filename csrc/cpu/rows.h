@@ -9,7 +9,7 @@
 
 namespace lmk_ops::cpu {
 
-void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, bool landmarks);
+void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, EntryName naming);
 void mean_backward(const Tensor& scaled, const RowSelection& rows, Tensor& grad_hidden);
 void gather_forward(const Tensor& hidden, const Tensor& positions, Tensor& out);
 void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_hidden);

@@ -201,7 +201,9 @@ __global__ void report_out_of_range(const int64_t* values, int64_t numel, int64_
                                     const unsigned long long* first, RangeMessage message) {
   const auto i = static_cast<int64_t>(*first);
   if (i < numel) {
-    if (message.landmarks) {
+    if (message.naming == EntryName::kNone) {
+      printf("%s, got %lld\n", message.expected, static_cast<long long>(values[i]));
+    } else if (message.naming == EntryName::kLandmarks) {
       printf("%s, got %lld in row %lld (landmarks[%lld, %lld])\n", message.expected,
              static_cast<long long>(values[i]), static_cast<long long>(i / cols), static_cast<long long>(i / cols),
              static_cast<long long>(i % cols));
@@ -455,7 +457,7 @@ ChunkPlan plan_chunks(const RowList& list, int64_t batch, const Tensor& like) {
   return {first, batch, bound};
 }
 
-void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, bool landmarks) {
+void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, EntryName naming) {
   const auto guard = on_device_of(values);
   const int64_t numel = values.numel();
   if (numel == 0) {
@@ -463,7 +465,7 @@ void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string
   }
   RangeMessage message{};
   expected.copy(message.expected, sizeof(message.expected) - 1);
-  message.landmarks = landmarks;
+  message.naming = naming;
   message.flat = values.dim() == 1;
   Tensor first = full_on(values, {1}, numel, ScalarType::Long);
   auto* first_data = reinterpret_cast<unsigned long long*>(first.mutable_data_ptr<int64_t>());

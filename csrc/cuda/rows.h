@@ -10,11 +10,11 @@ namespace lmk_ops::cuda {
 // What report_out_of_range prints before ", got V ...": a kernel argument, so the text travels by value.
 struct RangeMessage {
   char expected[240];
-  bool landmarks;  // "in row r (landmarks[r, c])" rather than "at [r, c]"
-  bool flat;       // values of one dimension: "at [i]"
+  EntryName naming;
+  bool flat;  // values of one dimension: "at [i]"
 };
 
-void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, bool landmarks);
+void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, EntryName naming);
 void mean_backward(const Tensor& scaled, const RowSelection& rows, Tensor& grad_hidden);
 void max_backward(const Tensor& grad, const Tensor& argmax, Tensor& grad_hidden);
 void gather_forward(const Tensor& hidden, const Tensor& positions, Tensor& out);

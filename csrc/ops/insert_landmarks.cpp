@@ -141,7 +141,8 @@ std::tuple<Tensor, Tensor, Tensor> insert_landmarks(
         intervals->scalar_type(), " of shape ", shape_str(intervals->sizes()));
     every_row = as_contiguous(to_dtype(*intervals, ScalarType::Long));
     kernels_for(every_row).check_range(every_row, 1, std::numeric_limits<int64_t>::max(),
-                                       std::string("lmk_ops.") + kOp + ": expected per-row intervals >= 1", false);
+                                       std::string("lmk_ops.") + kOp + ": expected per-row intervals >= 1",
+                                       EntryName::kIndex);
   }
   const Options o{num_leading, num_trailing, keep_trailing, max_length};
   const int64_t* every = every_row.defined() ? every_row.const_data_ptr<int64_t>() : nullptr;  // else interval

@@ -4,7 +4,8 @@ with its time. Where the report's figure is far above the kernels' sum, these sa
 
 Cases: every report op at 64x512x1024 in float32 and bfloat16, forward and forward+backward; one long text
 (1x32768x1024 bfloat16) forward of mean and of attention with heads 64 wide; packed mean and first-token pooling of
-32 short texts. Usage: python scripts/cuda_trace.py [--rows N] > trace.log"""
+32 short texts. Usage: python scripts/cuda_trace.py [--rows N] > trace.log (--device cpu --small: the same on tiny
+shapes, which the tests run)."""
 
 from __future__ import annotations
 
@@ -21,23 +22,29 @@ OPS = ["mean_pool", "max_pool", "landmark_mean@32", "attention_pool@1h", "attent
 CALLS = 10
 
 
-def host_us_per_call(fn) -> float:
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def host_us_per_call(fn, device: str) -> float:
     """Wall time per call of CALLS calls queued back to back, one synchronisation at the end."""
     fn()
-    torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(CALLS):
         fn()
-    torch.cuda.synchronize()
+    synchronize(device)
     return (time.perf_counter() - start) / CALLS * 1e6
 
 
-def trace(title: str, fn, rows: int) -> None:
-    per_call = host_us_per_call(fn)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+def trace(title: str, fn, rows: int, device: str) -> None:
+    per_call = host_us_per_call(fn, device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
         for _ in range(CALLS):
             fn()
-        torch.cuda.synchronize()
+        synchronize(device)
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events) / CALLS
     print(f"\n=== {title}: {per_call:.1f} us a call queued back to back; kernels {device_us:.1f} us a call", flush=True)
@@ -50,25 +57,30 @@ def trace(title: str, fn, rows: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=18, help="rows of each case's table")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--small", action="store_true", help="tiny shapes (a check that the script runs)")
     args = parser.parse_args()
-    cases = [(op, d, (64, 512, 1024)) for d in ("float32", "bfloat16") for op in OPS]
-    cases += [("mean_pool", "bfloat16", (1, 32768, 1024)), ("attention_pool@64d", "bfloat16", (1, 32768, 1024))]
+    device, (padded, long_text, feature) = args.device, (
+        ((2, 40, 64), (1, 300, 64), 64) if args.small else ((64, 512, 1024), (1, 32768, 1024), 768))
+    cases = [(op, d, padded) for d in ("float32", "bfloat16") for op in OPS]
+    cases += [("mean_pool", "bfloat16", long_text), ("attention_pool@64d", "bfloat16", long_text)]
     for op, dtype_name, shape in cases:
-        case = bench.case_inputs(op, dtype_name, shape, "cuda", 0.0)
+        case = bench.case_inputs(op, dtype_name, shape, device, 0.0)
         fn = bench.implementations(op)["lmk_ops"]
         name = f"{case.row_name} {dtype_name} {'x'.join(map(str, shape))}"
         with torch.no_grad():
-            trace(f"{name} forward", lambda: fn(case.hidden, case.second), args.rows)
+            trace(f"{name} forward", lambda: fn(case.hidden, case.second), args.rows, device)
         hidden, second = case.with_grad()
         trace(f"{name} forward+backward",
-              lambda: bench.forward_backward(fn, hidden, second, case.grad), args.rows)
+              lambda: bench.forward_backward(fn, hidden, second, case.grad), args.rows, device)
     lengths = torch.randint(20, 120, (32,), generator=torch.Generator().manual_seed(3))
-    offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to("cuda", torch.int32)
-    packed = torch.randn(int(lengths.sum()), 768, device="cuda", dtype=torch.bfloat16)
+    offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(device, torch.int32)
+    packed = torch.randn(int(lengths.sum()), feature, device=device, dtype=torch.bfloat16)
     with torch.no_grad():
-        trace("packed mean_pool bfloat16 32 texts", lambda: lmk_ops.mean_pool(packed, cu_seqlens=offsets), args.rows)
+        trace("packed mean_pool bfloat16 32 texts", lambda: lmk_ops.mean_pool(packed, cu_seqlens=offsets), args.rows,
+              device)
         trace("packed first_token_pool bfloat16 32 texts",
-              lambda: lmk_ops.first_token_pool(packed, cu_seqlens=offsets), args.rows)
+              lambda: lmk_ops.first_token_pool(packed, cu_seqlens=offsets), args.rows, device)
 
 
 if __name__ == "__main__":

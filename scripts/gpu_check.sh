@@ -4,7 +4,8 @@
 # failure), then the rest of the suite's CUDA cases; then compute-sanitizer's memcheck, racecheck, synccheck and
 # initcheck on scripts/cuda_kernel_tour.py, which launches every kernel; then the CUDA benchmark report, the
 # forward's host launch time against its kernels' and Nsight Compute's figures for each kernel of the issue's target
-# cases (scripts/cuda_profile.py), the CPU kernels' thread scaling on one long text (scripts/cpu_scaling.py: 1, 4
+# cases (scripts/cuda_profile.py), each op's kernels and host calls by torch.profiler (scripts/cuda_trace.py), the
+# CPU kernels' thread scaling on one long text (scripts/cpu_scaling.py: 1, 4
 # and all cores) and bench/end_to_end.py (a BERT-base training step and inference, lmk_ops against
 # sentence-transformers' pooling).
 # Each step's log, the JUnit results and the JSON go to RESULTS_DIR, and a summary is printed at the end. Usage:
@@ -18,7 +19,7 @@
 # sanitizers, then the profiles, the CPU scaling and the end-to-end step), each under its own time cap cut to what is
 # left; a step the deadline leaves no room for is listed as not run. GPU_CHECK_SKIP names steps to leave out, e.g.
 # on a second call: GPU_CHECK_SKIP="suite racecheck synccheck initcheck" (keys: build test_cuda prebuilt suite
-# memcheck bench racecheck synccheck initcheck launch ncu scaling end_to_end; without build, the previous call's
+# memcheck bench racecheck synccheck initcheck launch trace ncu scaling end_to_end; without build, the previous call's
 # build folder on a still-warm machine is reused by pip and rebuilds in seconds, so build is never skipped).
 set -uo pipefail
 results="${1:?usage: bash scripts/gpu_check.sh RESULTS_DIR}"
@@ -83,6 +84,8 @@ if step build 300 "build (torch on this machine)" build.log build; then
     step "$tool" 150 "compute-sanitizer $tool" "sanitizer_$tool.log" sanitize "$tool"
   done
   step launch 120 "host launches vs kernels (forward)" launch_overhead.log in_site "$py" "$root/scripts/cuda_profile.py"
+  # Each op's kernels (which instance: VEC in the name) and host calls, forward and forward+backward.
+  step trace 90 "torch.profiler trace of every op" cuda_trace.log in_site "$py" "$root/scripts/cuda_trace.py"
   # One row per kernel of the target cases: time, DRAM throughput (% of peak), occupancy, grid and registers.
   metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
   metrics+=,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__block_size

@@ -7,6 +7,8 @@ import importlib.util
 import json
 import re
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -124,3 +126,15 @@ def test_json_folders_are_created(tmp_path):
     bench.main(["--shapes", "1x4x8", "--ops", "first_token_pool", "--dtype", "float32", "--packed", "none",
                 "--json", str(path)])
     assert json.loads(path.read_text())["rows"]
+
+
+def test_cuda_trace_script_traces_every_case(tmp_path):
+    """scripts/cuda_trace.py, which gpu_check.sh runs on the GPU machine, on the CPU and tiny shapes: every case is
+    traced (forward and forward+backward for each op, then the packed ones), each with a table of what it called."""
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "cuda_trace.py"
+    done = subprocess.run([sys.executable, str(path), "--device", "cpu", "--small", "--rows", "3"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    titles = [line for line in done.stdout.splitlines() if line.startswith("=== ")]
+    assert len(titles) == 2 * (2 * 6 + 2) + 2, titles
+    assert "lmk_ops::mean_pool" in done.stdout and "=== packed first_token_pool" in done.stdout

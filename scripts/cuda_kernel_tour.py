@@ -56,5 +56,8 @@ for seq_len in (100, 300):
     big = torch.full((2, seq_len, 64), 3e38, device="cuda", dtype=torch.bfloat16)
     big[1, ::2] *= -1
     run(lambda h: lmk_ops.attention_pool(h, None, torch.full((4, 16), 1e-38, device="cuda")), big)
+# An integer mask past one block's check (rows.cu: kOneBlockCheck), checked by a grid.
+run(lambda h: lmk_ops.mean_pool(h, torch.ones(70, 1000, dtype=torch.long, device="cuda")),
+    torch.randn(70, 1000, 8, device="cuda"))
 torch.cuda.synchronize()
 print("cuda_kernel_tour: every kernel launched")

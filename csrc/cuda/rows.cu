@@ -195,26 +195,56 @@ __global__ void find_out_of_range(const int64_t* values, int64_t numel, int64_t 
   }
 }
 
-// Reports the entry find_out_of_range found with the op's message, then stops the stream with a device-side
-// assertion (which the host sees at its next synchronisation as "device-side assert triggered").
+// Reports entry i (< numel) with the op's message, then stops the stream with a device-side assertion (which the
+// host sees at its next synchronisation as "device-side assert triggered").
+__device__ void report_entry(const int64_t* values, int64_t i, int64_t cols, const RangeMessage& message) {
+  if (message.naming == EntryName::kNone) {
+    printf("%s, got %lld\n", message.expected, static_cast<long long>(values[i]));
+  } else if (message.naming == EntryName::kLandmarks) {
+    printf("%s, got %lld in row %lld (landmarks[%lld, %lld])\n", message.expected,
+           static_cast<long long>(values[i]), static_cast<long long>(i / cols), static_cast<long long>(i / cols),
+           static_cast<long long>(i % cols));
+  } else if (message.flat) {
+    printf("%s, got %lld at [%lld]\n", message.expected, static_cast<long long>(values[i]),
+           static_cast<long long>(i));
+  } else {
+    printf("%s, got %lld at [%lld, %lld]\n", message.expected, static_cast<long long>(values[i]),
+           static_cast<long long>(i / cols), static_cast<long long>(i % cols));
+  }
+  __assert_fail("lmk_ops input check (see the message above)", __FILE__, __LINE__, __func__);
+}
+
+// Reports the entry find_out_of_range found, if any.
 __global__ void report_out_of_range(const int64_t* values, int64_t numel, int64_t cols,
                                     const unsigned long long* first, RangeMessage message) {
   const auto i = static_cast<int64_t>(*first);
   if (i < numel) {
-    if (message.naming == EntryName::kNone) {
-      printf("%s, got %lld\n", message.expected, static_cast<long long>(values[i]));
-    } else if (message.naming == EntryName::kLandmarks) {
-      printf("%s, got %lld in row %lld (landmarks[%lld, %lld])\n", message.expected,
-             static_cast<long long>(values[i]), static_cast<long long>(i / cols), static_cast<long long>(i / cols),
-             static_cast<long long>(i % cols));
-    } else if (message.flat) {
-      printf("%s, got %lld at [%lld]\n", message.expected, static_cast<long long>(values[i]),
-             static_cast<long long>(i));
-    } else {
-      printf("%s, got %lld at [%lld, %lld]\n", message.expected, static_cast<long long>(values[i]),
-             static_cast<long long>(i / cols), static_cast<long long>(i % cols));
+    report_entry(values, i, cols, message);
+  }
+}
+
+// Values up to this many are searched and reported by one block, in one launch (a mask of 64 x 512 is 128 entries a
+// thread), where find_out_of_range and report_out_of_range take three (with the fill of `first`): an integer
+// attention mask is checked on every call.
+constexpr int64_t kOneBlockCheck = int64_t{1} << 16;
+
+// find_out_of_range and report_out_of_range in one block: the first entry outside [lo, hi] by a shared atomicMin.
+__global__ void __launch_bounds__(kThreads) check_in_one_block(const int64_t* values, int64_t numel, int64_t lo,
+                                                               int64_t hi, int64_t cols, RangeMessage message) {
+  __shared__ unsigned long long first;
+  if (threadIdx.x == 0) {
+    first = static_cast<unsigned long long>(numel);
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < numel; i += blockDim.x) {
+    if (values[i] < lo || values[i] > hi) {
+      atomicMin(&first, static_cast<unsigned long long>(i));
+      break;  // this thread's later entries come after i
     }
-    __assert_fail("lmk_ops input check (see the message above)", __FILE__, __LINE__, __func__);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && first < static_cast<unsigned long long>(numel)) {
+    report_entry(values, static_cast<int64_t>(first), cols, message);
   }
 }
 
@@ -412,9 +442,10 @@ RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_le
           mask.const_data_ptr<bool>(), before.const_data_ptr<int64_t>(), seq_len, order.mutable_data_ptr<int64_t>());
       check_launch();
     }
-    const Tensor start = index_select(before, 0, selection.starts);
-    const Tensor count = sub(index_select(before, 0, add(selection.starts, selection.lengths)), start);
-    return {order, count, start, 0, seq_len, seq_len, seq_len};
+    // The selected rows before each text's bounds: where each text's list starts, and its count as the difference
+    // (two kernels; with integer subtractions, which go through float64, it took ten).
+    const Tensor at_bounds = index_select(before, 0, selection.offsets);
+    return {order, differences(at_bounds), slice(at_bounds, 0, 0, batch), 0, seq_len, seq_len, seq_len};
   }
   if (selection.mask.defined()) {
     const Tensor& mask = selection.mask;
@@ -467,6 +498,12 @@ void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string
   expected.copy(message.expected, sizeof(message.expected) - 1);
   message.naming = naming;
   message.flat = values.dim() == 1;
+  if (numel <= kOneBlockCheck) {
+    check_in_one_block<<<1, kThreads, 0, stream()>>>(values.const_data_ptr<int64_t>(), numel, lo, hi, values.size(-1),
+                                                     message);
+    check_launch();
+    return;
+  }
   Tensor first = full_on(values, {1}, numel, ScalarType::Long);
   auto* first_data = reinterpret_cast<unsigned long long*>(first.mutable_data_ptr<int64_t>());
   find_out_of_range<<<grid_for(numel, kThreads), kThreads, 0, stream()>>>(

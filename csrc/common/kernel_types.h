@@ -26,6 +26,7 @@ struct RowSelection {
   Tensor mask = Tensor();
   Tensor positions = Tensor();
   Tensor starts = Tensor(), lengths = Tensor();
+  Tensor offsets = Tensor();  // with runs: the texts' bounds, starts and then the last text's end (int64 [B + 1])
 };
 
 // The rows attention pooling reads and writes. Padded: listed.mask is the valid mask [B, L] (undefined: every row),

@@ -96,12 +96,11 @@ Tensor PackedBatch::relative(Tensor rows) const {
 }
 
 RowSelection PackedBatch::selection(const Tensor& selected) const {
-  return {selected, Tensor(), as_contiguous(starts), as_contiguous(lengths)};
+  return {selected, Tensor(), as_contiguous(starts), as_contiguous(lengths), offsets};
 }
 
 Tensor PackedBatch::count(const Tensor& selected) const {
-  const Tensor before = sums_before(selected);
-  return sub(index_select(before, 0, slice(offsets, 0, 1, batch)), index_select(before, 0, starts));
+  return differences(index_select(sums_before(selected), 0, offsets));
 }
 
 PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, const Tensor& cu_seqlens,
@@ -145,7 +144,7 @@ PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, c
   } else {
     packed.offsets = as_contiguous(to_dtype(cu_seqlens, ScalarType::Long));
     packed.starts = slice(packed.offsets, 0, 0, packed.batch);
-    packed.lengths = sub(slice(packed.offsets, 0, 1, packed.batch), packed.starts);
+    packed.lengths = differences(packed.offsets);
   }
   if (values == Values::kCheck) {
     check_offsets(op, packed, like, tokens_are);

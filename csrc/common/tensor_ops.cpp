@@ -114,6 +114,10 @@ Tensor clamp_min(const Tensor& a, double b) {
   return aten("aten::clamp_min", "Tensor", a, scalar_like(a, b));
 }
 
+Tensor differences(const Tensor& t) {
+  return aten("aten::diff", "", t, int64_t{1}, int64_t{0}, std::optional<Tensor>(), std::optional<Tensor>());
+}
+
 Tensor index_select(const Tensor& t, int64_t dim, const Tensor& index) {
   return aten("aten::index_select", "", t, dim, index);
 }
@@ -156,10 +160,10 @@ Tensor text_of_rows(const Tensor& lengths, int64_t rows, const char* op) {
               row);
     return text;
   }
-  // Negative lengths clamped: ATen's repeat_interleave given output_size writes out of bounds for a negative repeat
-  // (it corrupted the CPU heap; a total other than rows it reports as a size mismatch, where it checks).
-  return aten("aten::repeat_interleave", "self_Tensor", arange_on(lengths, lengths.size(0)), clamp_min(lengths, 0),
-              std::optional<int64_t>(0), std::optional<int64_t>(rows));
+  // repeat_interleave(repeats) is arange(B) with b repeated repeats[b] times. Negative lengths clamped: ATen's
+  // repeat_interleave given output_size writes out of bounds for a negative repeat (it corrupted the CPU heap; a
+  // total other than rows it reports as a size mismatch, where it checks).
+  return aten("aten::repeat_interleave", "Tensor", clamp_min(lengths, 0), std::optional<int64_t>(rows));
 }
 
 }  // namespace lmk_ops

@@ -72,6 +72,8 @@ Tensor ge(const Tensor& a, const Tensor& b), ge(const Tensor& a, int64_t b);
 Tensor lt(const Tensor& a, const Tensor& b), lt(const Tensor& a, int64_t b);
 Tensor ne(const Tensor& a, const Tensor& b), ne(const Tensor& a, int64_t b);
 Tensor clamp_min(const Tensor& a, double b);
+// t[1:] - t[:-1] of a 1-D tensor: one kernel, where sub() of integer tensors takes four (through float64).
+Tensor differences(const Tensor& t);
 // t's entries at index along dimension dim; index_copy writes source's into dst there, in place (and returns dst).
 Tensor index_select(const Tensor& t, int64_t dim, const Tensor& index);
 Tensor index_copy(const Tensor& dst, int64_t dim, const Tensor& index, const Tensor& source);

@@ -127,7 +127,8 @@ Tensor mask_as_bool(const char* op, const Tensor& m, Values values, const char* 
   if (values == Values::kCheck) {
     check_values(as_contiguous(to_dtype(m, ScalarType::Long)));
   }
-  return as_contiguous(ne(m, 0));
+  // A cast to bool is "nonzero", as ne(m, 0), in one kernel (ne's 0 is a 0-d tensor filled first: two).
+  return as_contiguous(to_dtype(m, ScalarType::Bool));
 }
 
 void check_landmarks_device(const char* op, const Tensor& landmarks, const Tensor& like) {

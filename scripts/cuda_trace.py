@@ -10,7 +10,6 @@ shapes, which the tests run)."""
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -22,32 +21,18 @@ OPS = ["mean_pool", "max_pool", "landmark_mean@32", "attention_pool@1h", "attent
 CALLS = 10
 
 
-def synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def host_us_per_call(fn, device: str) -> float:
-    """Wall time per call of CALLS calls queued back to back, one synchronisation at the end."""
-    fn()
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(CALLS):
-        fn()
-    synchronize(device)
-    return (time.perf_counter() - start) / CALLS * 1e6
-
-
 def trace(title: str, fn, rows: int, device: str) -> None:
-    per_call = host_us_per_call(fn, device)
+    per_call = bench.time_ms(fn, device) * 1e3  # the report's figure: back-to-back calls, median of samples
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(CALLS):
             fn()
-        synchronize(device)
+        if device == "cuda":
+            torch.cuda.synchronize()
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events) / CALLS
-    print(f"\n=== {title}: {per_call:.1f} us a call queued back to back; kernels {device_us:.1f} us a call", flush=True)
+    print(f"\n=== {title}: {per_call:.1f} us a call back to back (median); kernels {device_us:.1f} us a call",
+          flush=True)
     print(f"{'calls':>6s} {'host us':>9s} {'device us':>9s}  name (per call of the op)")
     for e in sorted(events, key=lambda e: -(e.self_device_time_total + e.self_cpu_time_total))[:rows]:
         print(f"{e.count / CALLS:6.1f} {e.self_cpu_time_total / CALLS:9.1f} {e.self_device_time_total / CALLS:9.1f}  "

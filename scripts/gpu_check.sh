@@ -5,9 +5,8 @@
 # initcheck on scripts/cuda_kernel_tour.py, which launches every kernel; then the CUDA benchmark report, the
 # forward's host launch time against its kernels' and Nsight Compute's figures for each kernel of the issue's target
 # cases (scripts/cuda_profile.py), each op's kernels and host calls by torch.profiler (scripts/cuda_trace.py), the
-# CPU kernels' thread scaling on one long text (scripts/cpu_scaling.py: 1, 4
-# and all cores) and bench/end_to_end.py (a BERT-base training step and inference, lmk_ops against
-# sentence-transformers' pooling).
+# CPU kernels' thread scaling on one long text (scripts/cpu_scaling.py: 1, 4 and all cores) and
+# bench/end_to_end.py (a BERT-base training step and inference, lmk_ops against sentence-transformers' pooling).
 # Each step's log, the JUnit results and the JSON go to RESULTS_DIR, and a summary is printed at the end. Usage:
 #   bash scripts/gpu_check.sh RESULTS_DIR
 # The build here is against this machine's torch (2.11), and is on the stable ABI like every build. To show that one

@@ -71,14 +71,20 @@ struct RowAhead {
 // R rows read together: their R prefetch rows (each `features` long) taken as one stream from element `base` on,
 // the pass's stretch at i being the next R spans of it. The stream's element e < R * features is found in row
 // e / features by subtraction: a 64-bit division per prefetched span (the divisor is not a constant) cost the
-// two-row score pass of 16 heads of 64 in float32 about as much as its multiply-adds.
+// two-row score pass of 16 heads of 64 in float32 about as much as its multiply-adds. Where the rows lie one after
+// another in memory (`flat`, their first; consecutive rows of a contiguous text, the common case), e is simply
+// flat + e.
 template <int R, typename scalar_t>
 struct SequentialAhead {
   const scalar_t* const* rows;
+  const scalar_t* flat;
   int64_t features;
   int64_t base;
   const scalar_t* operator()(int64_t i, int r, int64_t span) const {
     int64_t e = base + i * R + r * span;
+    if (flat != nullptr) {
+      return flat + e;
+    }
     int row = 0;
     for (; row + 1 < R && e >= features; ++row) {
       e -= features;
@@ -332,13 +338,20 @@ inline void rows_scores(const scalar_t* const* x, int64_t stride, const acc_t<sc
       xh[r] = x[r] + head * head_dim * stride;
     }
   };
+  const scalar_t* flat = nullptr;  // SequentialAhead's: the prefetch rows' first where they are consecutive
+  if constexpr (R > 1) {
+    flat = prefetch[0];
+    for (int r = 1; r < R; ++r) {
+      flat = prefetch[r] == prefetch[0] + r * heads * head_dim ? flat : nullptr;
+    }
+  }
   // What head `head`'s pass prefetches: one row, the same features of its prefetch row; several rows, the next
   // stretch of their prefetch rows taken one after another (rows interleaved, the reads; one stream, the prefetches).
   const auto ahead_of = [&](int64_t head) __attribute__((always_inline)) {
     if constexpr (R == 1) {
       return RowAhead<scalar_t>{prefetch[0] != nullptr ? prefetch[0] + head * head_dim : nullptr};
     } else {
-      return SequentialAhead<R, scalar_t>{prefetch, heads * head_dim, head * head_dim * R};
+      return SequentialAhead<R, scalar_t>{prefetch, flat, heads * head_dim, head * head_dim * R};
     }
   };
   int64_t h = 0;

@@ -147,3 +147,36 @@ def test_gradients_arriving_as_misaligned_views_give_the_same_bits(device, name)
     (aligned,) = torch.autograd.grad(out, h, upstream, retain_graph=True)
     (misaligned,) = torch.autograd.grad(out, h, _misaligned(upstream))
     assert torch.equal(aligned, misaligned)
+
+
+@pytest.mark.parametrize("op", ["mean_pool", "max_pool", "landmark_mean", "attention_pool"])
+def test_packed_texts_of_mixed_lengths_on_any_number_of_threads(op):
+    # The CPU splits a call's (text, chunk, feature block) tasks over the threads by rows, not by count: with texts
+    # of very different lengths (empty ones too), few chunks (so several feature blocks a chunk) and odd thread
+    # counts, every task must run once, and the result must be the reference's and the same bits on every count.
+    gen = torch.Generator().manual_seed(21)
+    lengths = [0, 1, 700, 3, 0, 90, 1300, 17, 2, 0, 64, 5]
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    hidden = torch.randn(offsets[-1].item(), 1000, generator=gen)
+    landmarks = torch.rand(hidden.shape[0], generator=gen) < 0.3
+    query = torch.randn(8, 125, generator=gen)
+    call = {"mean_pool": lambda: lmk_ops.mean_pool(hidden, cu_seqlens=offsets),
+            "max_pool": lambda: lmk_ops.max_pool(hidden, cu_seqlens=offsets),
+            "landmark_mean": lambda: lmk_ops.landmark_mean(hidden, landmarks, cu_seqlens=offsets),
+            "attention_pool": lambda: lmk_ops.attention_pool(hidden, None, query, cu_seqlens=offsets)}[op]
+    expected = {"mean_pool": lambda: reference.mean_pool(hidden.double(), cu_seqlens=offsets),
+                "max_pool": lambda: reference.max_pool(hidden.double(), cu_seqlens=offsets),
+                "landmark_mean": lambda: reference.landmark_mean(hidden.double(), landmarks, cu_seqlens=offsets),
+                "attention_pool": lambda: reference.attention_pool(hidden.double(), None, query.double(),
+                                                                   cu_seqlens=offsets)}[op]()
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3, 5, 8):
+            torch.set_num_threads(n)
+            results.append(call())
+    finally:
+        torch.set_num_threads(threads)
+    _close(results[0], expected, torch.float32)
+    for other in results[1:]:
+        assert torch.equal(results[0], other)

@@ -23,7 +23,8 @@ namespace lmk_ops::cpu::CPU_CAPABILITY {
 constexpr int64_t kMaxBlock = 1024;
 constexpr int64_t kMinBlock = 256;
 constexpr int64_t kTasksPerThread = 4;
-// Below this many elements of work per chunk, parallel_for keeps the work on one thread.
+// The least work, in elements, worth a thread: the parallel loops give each thread at least this much (a small
+// call stays on one thread).
 constexpr int64_t kMinParallelWork = int64_t{1} << 15;
 
 // The block width: a multiple of unit (attention heads must not be split; unit 1 rounds to 64 features, a whole
@@ -111,16 +112,26 @@ inline int64_t chunks_for(int64_t upper) {
 struct ChunkPlan {
   std::vector<int64_t> first;   // [B + 1]: the chunks of the texts before b
   std::vector<int64_t> stored;  // [B + 1]: the slots of the texts before b (a text of one chunk has none)
+  std::vector<int64_t> rows;    // [B + 1]: the selected rows of the texts before b
 
-  ChunkPlan(const RowList& list, int64_t batch) : first(batch + 1, 0), stored(batch + 1, 0) {
+  ChunkPlan(const RowList& list, int64_t batch) : first(batch + 1, 0), stored(batch + 1, 0), rows(batch + 1, 0) {
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t chunks = chunks_for(list.rows(b));
       first[b + 1] = first[b] + chunks;
       stored[b + 1] = stored[b] + (chunks > 1 ? chunks : 0);
+      rows[b + 1] = rows[b] + list.rows(b);
     }
   }
   int64_t chunks() const {
     return first.back();
+  }
+  // The work of the chunks before chunk `chunk` of text b, in rows, a chunk counting one row more than it holds
+  // (its fixed costs; a text with no row still has a task): for_each_chunk splits the tasks over the threads by it.
+  int64_t work_before(int64_t b, int64_t chunk) const {
+    return rows[b] + std::min(chunk * kChunkRows, rows[b + 1] - rows[b]) + first[b] + chunk;
+  }
+  int64_t work() const {
+    return rows.back() + chunks();
   }
   int64_t slots() const {
     return stored.back();
@@ -168,27 +179,56 @@ class CallScratch {
 
 // Calls body(b, chunk, d0, n, rows) for every (text, chunk of its selected rows, block of features) task, in
 // parallel; a text with no selected row still gets its chunk 0 (with no rows), to write its zeros. Blocks are whole
-// units (attention heads). Only the chunks texts have are tasks, numbered text by text, so the even split of the
-// task range over the threads is an even split of the rows too when the texts' lengths differ (a packed batch).
+// units (attention heads). Only the chunks texts have are tasks, in text order, and each thread takes a run of them
+// holding an even share of the rows (ChunkPlan::work_before): an even split of the tasks was uneven in rows where
+// the texts' lengths differ and few texts are long enough to be cut into chunks (a packed batch of 32 texts of
+// 16-128 tokens: one of 2 threads had 1207 rows, the other 928). Which thread runs a task never changes its result.
 template <typename Body>
 void for_each_chunk(const ChunkPlan& plan, const RowList& list, int64_t dim, int64_t unit, const Body& body) {
   const std::vector<int64_t>& first_chunk = plan.first;
   const int64_t chunks = plan.chunks();
+  if (chunks == 0) {
+    return;
+  }
   const int64_t block = feature_block(chunks, dim, unit);
   const int64_t blocks = (dim + block - 1) / block;
-  const int64_t grain = std::max<int64_t>(1, kMinParallelWork / (std::min(kChunkRows, list.upper()) * block + 1));
-  torch::stable::parallel_for(0, chunks * blocks, grain, [&](int64_t begin, int64_t end) {
-    // The text of the range's first task by binary search, then of each next task by stepping on (a search per
+  // A task's share of the work: work_before in units of 1 / blocks of a row, its block's part of its chunk's.
+  const auto start = [&](int64_t b, int64_t chunk, int64_t k) {
+    const int64_t before = plan.work_before(b, chunk);
+    return before * blocks + k * (plan.work_before(b, chunk + 1) - before);
+  };
+  const int64_t total = plan.work() * blocks;
+  const int64_t threads = static_cast<int64_t>(torch::stable::get_num_threads());
+  const int64_t parts = std::clamp<int64_t>(total / blocks * dim / kMinParallelWork, 1, threads);
+  torch::stable::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    // The tasks starting in [from, to). Their first text by binary search (the last text whose work starts at or
+    // before `from`; every text has a chunk, so the starts increase), then the next by stepping on (a search per
     // task cost about 20 ns of a 25 ns task in a batch of 100,000 one-row texts).
-    int64_t b = std::upper_bound(first_chunk.begin(), first_chunk.end(), begin / blocks) - first_chunk.begin() - 1;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t index = task / blocks, d0 = task % blocks * block;
+    const int64_t from = total * part_begin / parts, to = total * part_end / parts;
+    int64_t b = 0;
+    for (int64_t hi = static_cast<int64_t>(first_chunk.size()) - 2; b < hi;) {
+      const int64_t mid = (b + hi + 1) / 2;
+      if (start(mid, 0, 0) <= from) {
+        b = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    for (int64_t index = first_chunk[b]; index < chunks; ++index) {
       while (first_chunk[b + 1] <= index) {
         ++b;
       }
       const int64_t chunk = index - first_chunk[b], first = chunk * kChunkRows;
-      body(b, chunk, d0, std::min(block, dim - d0),
-           ChunkRows{&list, b, first, std::min(first + kChunkRows, list.rows(b))});
+      if (start(b, chunk, 0) >= to) {
+        return;
+      }
+      for (int64_t k = 0; k < blocks; ++k) {
+        const int64_t at = start(b, chunk, k);
+        if (at >= from && at < to) {
+          body(b, chunk, k * block, std::min(block, dim - k * block),
+               ChunkRows{&list, b, first, std::min(first + kChunkRows, list.rows(b))});
+        }
+      }
     }
   });
 }

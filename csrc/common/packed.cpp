@@ -40,7 +40,7 @@ void check_offsets(const char* op, const PackedBatch& packed, const Tensor& like
                 message(op, "expected cu_seqlens[-1] = T = " + std::to_string(packed.tokens) + " (" + tokens_are + ")"),
                 EntryName::kNone);
   if (packed.batch > 0) {
-    const Tensor lengths = as_contiguous(packed.lengths);
+    const Tensor& lengths = packed.lengths;
     k.check_range(lengths, 0, std::numeric_limits<int64_t>::max(),
                   message(op, "expected non-decreasing cu_seqlens (text b has cu_seqlens[b + 1] - cu_seqlens[b] >= 0 "
                               "tokens; the value is that length, the index b)"),
@@ -96,7 +96,7 @@ Tensor PackedBatch::relative(Tensor rows) const {
 }
 
 RowSelection PackedBatch::selection(const Tensor& selected) const {
-  return {selected, Tensor(), as_contiguous(starts), as_contiguous(lengths), offsets};
+  return {selected, Tensor(), starts, lengths, offsets};
 }
 
 Tensor PackedBatch::count(const Tensor& selected) const {

@@ -20,8 +20,8 @@ Tensor sums_before(const Tensor& values);
 
 struct PackedBatch {
   Tensor offsets;  // cu_seqlens as int64 [B + 1], contiguous
-  Tensor starts;   // [B]: offsets[:-1]
-  Tensor lengths;  // [B]: offsets[1:] - offsets[:-1]
+  Tensor starts;   // [B]: offsets[:-1], contiguous
+  Tensor lengths;  // [B]: offsets[1:] - offsets[:-1], contiguous
   int64_t batch = 0;
   int64_t tokens = 0;  // T
   std::optional<int64_t> max_seqlen;

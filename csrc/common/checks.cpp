@@ -89,6 +89,29 @@ void check_mask_device(const char* op, const Tensor& mask, const Tensor& like, c
       device_name(like), "), got ", device_name(mask));
 }
 
+namespace {
+
+// out[i] = v[i] != 0 for n values; returns whether any value is not 0 or 1. One branch-free pass, also compiled
+// for AVX2 and chosen at load time where the CPU has it: this file is built for the x86-64 baseline, where the pass
+// took ~0.45 ns a value, 58 us for a 64x2048 attention mask (a first_token_pool's own work is ~10 us). On a 2-core
+// Intel Xeon, 10th percentile of 5000 calls of the valid_mask op: 32x512 8.1-8.2 -> 4.4 us, 64x2048 57-58 -> 22-27.
+// (An AVX-512 clone was faster still, 3.6 and 15.5, but naming it needs GCC 12's "arch=x86-64-v4", which an older
+// compiler on a build machine would reject.)
+#if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+__attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+bool zero_one_as_bool(const int64_t* v, int64_t n, bool* out) {
+  uint64_t outside = 0;  // bits above the lowest of any value
+  for (int64_t i = 0; i < n; ++i) {
+    outside |= static_cast<uint64_t>(v[i]) >> 1;
+    out[i] = v[i] != 0;
+  }
+  return outside != 0;
+}
+}  // namespace
+
 Tensor mask_as_bool(const char* op, const Tensor& m, Values values, const char* name) {
   const auto t = m.scalar_type();
   LMK_CHECK(
@@ -109,18 +132,8 @@ Tensor mask_as_bool(const char* op, const Tensor& m, Values values, const char* 
     Tensor valid = empty_on(m, m.sizes(), ScalarType::Bool);
     const int64_t* v = as_long.const_data_ptr<int64_t>();
     const int64_t n = as_long.numel();
-    if (values == Values::kCheck) {
-      uint64_t outside = 0;  // bits above the lowest of any value: nonzero when one is not 0/1 (branch-free, so the
-      for (int64_t i = 0; i < n; ++i) {  // loop vectorises)
-        outside |= static_cast<uint64_t>(v[i]) >> 1;
-      }
-      if (outside != 0) {
-        check_values(as_long);  // raises, naming the first value outside and where it is
-      }
-    }
-    bool* out = valid.mutable_data_ptr<bool>();
-    for (int64_t i = 0; i < n; ++i) {
-      out[i] = v[i] != 0;
+    if (zero_one_as_bool(v, n, valid.mutable_data_ptr<bool>()) && values == Values::kCheck) {
+      check_values(as_long);  // raises, naming the first value outside and where it is
     }
     return valid;
   }

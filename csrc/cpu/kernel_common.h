@@ -192,14 +192,11 @@ void for_each_chunk(const ChunkPlan& plan, const RowList& list, int64_t dim, int
   }
   const int64_t block = feature_block(chunks, dim, unit);
   const int64_t blocks = (dim + block - 1) / block;
-  // A task's share of the work: work_before in units of 1 / blocks of a row, its block's part of its chunk's.
-  const auto start = [&](int64_t b, int64_t chunk, int64_t k) {
-    const int64_t before = plan.work_before(b, chunk);
-    return before * blocks + k * (plan.work_before(b, chunk + 1) - before);
-  };
+  // Work is counted in units of 1 / blocks of a row: task (chunk, block k) starts k shares of its chunk's work
+  // after the chunk's work_before.
   const int64_t total = plan.work() * blocks;
   const int64_t threads = static_cast<int64_t>(torch::stable::get_num_threads());
-  const int64_t parts = std::clamp<int64_t>(total / blocks * dim / kMinParallelWork, 1, threads);
+  const int64_t parts = std::clamp<int64_t>(plan.work() * dim / kMinParallelWork, 1, threads);
   torch::stable::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     // The tasks starting in [from, to). Their first text by binary search (the last text whose work starts at or
     // before `from`; every text has a chunk, so the starts increase), then the next by stepping on (a search per
@@ -208,7 +205,7 @@ void for_each_chunk(const ChunkPlan& plan, const RowList& list, int64_t dim, int
     int64_t b = 0;
     for (int64_t hi = static_cast<int64_t>(first_chunk.size()) - 2; b < hi;) {
       const int64_t mid = (b + hi + 1) / 2;
-      if (start(mid, 0, 0) <= from) {
+      if (plan.work_before(mid, 0) * blocks <= from) {
         b = mid;
       } else {
         hi = mid - 1;
@@ -219,11 +216,12 @@ void for_each_chunk(const ChunkPlan& plan, const RowList& list, int64_t dim, int
         ++b;
       }
       const int64_t chunk = index - first_chunk[b], first = chunk * kChunkRows;
-      if (start(b, chunk, 0) >= to) {
+      const int64_t before = plan.work_before(b, chunk), share = plan.work_before(b, chunk + 1) - before;
+      if (before * blocks >= to) {
         return;
       }
       for (int64_t k = 0; k < blocks; ++k) {
-        const int64_t at = start(b, chunk, k);
+        const int64_t at = before * blocks + k * share;
         if (at >= from && at < to) {
           body(b, chunk, k * block, std::min(block, dim - k * block),
                ChunkRows{&list, b, first, std::min(first + kChunkRows, list.rows(b))});

@@ -43,11 +43,14 @@ def expect_bad_value(device, message, call, request) -> None:
             call()
         return
     if os.environ.get(_DEVICE_ASSERT_CHILD):
-        # Where the assertion surfaces in a dispatcher call that lmk_ops makes, torch before 2.13 gives the stable ABI
-        # no text (error.cpp: "torch logged why above"); the log on stderr then holds it (checked below).
-        with pytest.raises(RuntimeError, match="device-side assert|torch logged why above"):
+        # The launches are asynchronous, so the assertion surfaces wherever the host next meets the device: a launch
+        # or a torch call inside the op, or the synchronisation. Through a torch call, torch before 2.13 gives the
+        # stable ABI no text (error.cpp: "torch logged why above"); its log on stderr then holds it. The error is
+        # printed for the parent to read (checked below).
+        with pytest.raises(RuntimeError, match="device-side assert|torch logged why above") as raised:
             call()
             torch.cuda.synchronize()
+        print(f"\nthe call raised: {raised.value}")
         return
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "no:xdist",
                            request.node.nodeid], cwd=request.config.rootpath, capture_output=True, text=True,

@@ -36,4 +36,15 @@ void throw_shim_error(const std::string& doing) {
   fail(message, " (lmk_ops: while ", doing, ")");
 }
 
+void rethrow_naming_op(const char* op, const std::runtime_error& failure) {
+  const std::string what = failure.what();
+  // torch/headeronly/util/shim_utils.h's TORCH_ERROR_CODE_CHECK, which the stable ABI's functions use.
+  if (what.find(" API call failed at ") == std::string::npos) {
+    throw;
+  }
+  const std::string message = shim_error_message();
+  fail("lmk_ops::", op, ": a call into torch failed: ", message.empty() ? "torch logged why above" : message, " (",
+       what, ")");
+}
+
 }  // namespace lmk_ops

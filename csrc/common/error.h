@@ -20,6 +20,11 @@ template <typename... Parts>
 // 2.13, and what lmk_ops was doing.
 [[noreturn]] void throw_shim_error(const std::string& doing);
 
+// Rethrows failure, the exception being handled in op's entry (ops/op_entry.h): a failed torch call made through
+// the stable ABI's own functions as op's error with torch's reason where this torch can say it, anything else as it
+// was.
+[[noreturn]] void rethrow_naming_op(const char* op, const std::runtime_error& failure);
+
 template <typename... Parts>
 [[noreturn]] void fail_shim_call(const Parts&... doing) {
   std::ostringstream message;

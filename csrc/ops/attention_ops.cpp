@@ -8,6 +8,7 @@
 #include "common/packed.h"
 #include "common/tensor_ops.h"
 #include "ops/kernels.h"
+#include "ops/op_entry.h"
 
 namespace lmk_ops::ops {
 namespace {
@@ -135,8 +136,8 @@ std::tuple<Tensor, Tensor> attention_pool_backward(
 }
 
 void register_attention_ops(torch::stable::detail::StableLibrary& m) {
-  m.impl("attention_pool", TORCH_BOX(&attention_pool));
-  m.impl("attention_pool_backward", TORCH_BOX(&attention_pool_backward));
+  LMK_OPS_IMPL(m, "attention_pool", attention_pool);
+  LMK_OPS_IMPL(m, "attention_pool_backward", attention_pool_backward);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include "common/error.h"
 #include "common/tensor_ops.h"
 #include "ops/kernels.h"
+#include "ops/op_entry.h"
 
 namespace lmk_ops::ops {
 namespace {
@@ -194,7 +195,7 @@ std::tuple<Tensor, Tensor, Tensor> insert_landmarks(
 }
 
 void register_insert_landmarks(torch::stable::detail::StableLibrary& m) {
-  m.impl("insert_landmarks", TORCH_BOX(&insert_landmarks));
+  LMK_OPS_IMPL(m, "insert_landmarks", insert_landmarks);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include "common/packed.h"
 #include "common/tensor_ops.h"
 #include "ops/kernels.h"
+#include "ops/op_entry.h"
 #include "ops/pooling.h"
 
 namespace lmk_ops::ops {
@@ -96,10 +97,10 @@ Tensor landmark_gather_backward(const Tensor& grad, const Tensor& positions, int
 }
 
 void register_landmark_ops(torch::stable::detail::StableLibrary& m) {
-  m.impl("landmark_mean", TORCH_BOX(&landmark_mean));
-  m.impl("landmark_mean_backward", TORCH_BOX(&landmark_mean_backward));
-  m.impl("landmark_gather", TORCH_BOX(&landmark_gather));
-  m.impl("landmark_gather_backward", TORCH_BOX(&landmark_gather_backward));
+  LMK_OPS_IMPL(m, "landmark_mean", landmark_mean);
+  LMK_OPS_IMPL(m, "landmark_mean_backward", landmark_mean_backward);
+  LMK_OPS_IMPL(m, "landmark_gather", landmark_gather);
+  LMK_OPS_IMPL(m, "landmark_gather_backward", landmark_gather_backward);
 }
 
 }  // namespace

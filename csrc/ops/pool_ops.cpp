@@ -9,6 +9,7 @@
 #include "common/packed.h"
 #include "common/tensor_ops.h"
 #include "ops/kernels.h"
+#include "ops/op_entry.h"
 #include "ops/pooling.h"
 
 namespace lmk_ops::ops {
@@ -136,12 +137,12 @@ Tensor packed_offsets(const Tensor& cu_seqlens, int64_t tokens, std::optional<in
 }
 
 void register_pool_ops(torch::stable::detail::StableLibrary& m) {
-  m.impl("valid_mask", TORCH_BOX(&valid_mask));
-  m.impl("packed_offsets", TORCH_BOX(&packed_offsets));
-  m.impl("mean_pool", TORCH_BOX(&mean_pool));
-  m.impl("mean_pool_backward", TORCH_BOX(&mean_pool_backward));
-  m.impl("max_pool", TORCH_BOX(&max_pool));
-  m.impl("max_pool_backward", TORCH_BOX(&max_pool_backward));
+  LMK_OPS_IMPL(m, "valid_mask", valid_mask);
+  LMK_OPS_IMPL(m, "packed_offsets", packed_offsets);
+  LMK_OPS_IMPL(m, "mean_pool", mean_pool);
+  LMK_OPS_IMPL(m, "mean_pool_backward", mean_pool_backward);
+  LMK_OPS_IMPL(m, "max_pool", max_pool);
+  LMK_OPS_IMPL(m, "max_pool_backward", max_pool_backward);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include "common/packed.h"
 #include "common/tensor_ops.h"
 #include "ops/kernels.h"
+#include "ops/op_entry.h"
 
 namespace lmk_ops::ops {
 namespace {
@@ -123,7 +124,7 @@ std::tuple<Tensor, Tensor> token_pool(const Tensor& hidden, const std::optional<
 }
 
 void register_token_ops(torch::stable::detail::StableLibrary& m) {
-  m.impl("token_pool", TORCH_BOX(&token_pool));
+  LMK_OPS_IMPL(m, "token_pool", token_pool);
 }
 
 }  // namespace

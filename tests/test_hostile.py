@@ -293,6 +293,19 @@ def test_a_failed_allocation_says_what_torch_said_and_what_lmk_ops_was_doing():
         assert "you tried to allocate 640000000000000 bytes" in message
 
 
+def test_a_failed_torch_call_inside_an_op_names_the_op_and_says_what_torch_said():
+    # Positions expanded to 10^13 a text: the op's contiguous copy (a torch::stable call, not lmk_ops' own allocation)
+    # asks torch for 160 TB. The stable ABI's own error names neither the op nor the reason (csrc/ops/op_entry.h).
+    positions = torch.zeros(1, 1, dtype=torch.int64).expand(2, 10**13)
+    with pytest.raises(RuntimeError, match=r"^lmk_ops::landmark_mean: a call into torch failed: ") as failure:
+        lmk_ops.landmark_mean(torch.randn(2, 5, 4), positions)
+    message = str(failure.value)
+    if tuple(int(n) for n in torch.__version__.split(".")[:2]) >= (2, 13):
+        assert "you tried to allocate 160000000000000 bytes" in message
+    else:
+        assert "torch logged why above" in message
+
+
 def test_a_long_text_gives_the_same_bits_alone_padded_packed_and_on_any_number_of_threads():
     gen = torch.Generator().manual_seed(9)
     text = torch.randn(1, 5000, 96, generator=gen)

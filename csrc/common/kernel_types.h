@@ -82,6 +82,17 @@ struct Kernels {
   void (*attention_backward)(const Tensor& grad, const Tensor& grad_weights, const Tensor& hidden,
                              const AttentionRows& rows, const Tensor& query, const Tensor& out,
                              const Tensor& stats, double scale, Tensor& grad_hidden, Tensor& grad_query);
+  // Each text's first (last) valid row, for first/last-token pooling. The B texts are runs of rows, text b's rows
+  // [starts[b], starts[b] + lengths[b]) (starts, lengths int64 [B] contiguous), or where those are undefined a
+  // padded batch's, [b * seq_len, (b + 1) * seq_len). valid: bool over the rows, contiguous, or undefined for every
+  // row. Writes found and positions, int64 [B, 1] contiguous: the row and its position from the text's start, -1 for
+  // a text with none. B may be 0.
+  void (*find_rows)(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t batch, int64_t seq_len,
+                    bool last, Tensor& found, Tensor& positions);
+  // Row numbers moved between a text's own and the batch's: values [B, W] contiguous, int32 or int64; starts int64
+  // [B]. out (values' dtype and shape, contiguous; may be values itself) = values + sign * starts[b] where values >=
+  // 0, else none. One pass: ATen's integer subtraction through the stable ABI is four kernels (it goes by float64).
+  void (*shift_rows)(const Tensor& values, const Tensor& starts, int64_t sign, int64_t none, Tensor& out);
 };
 
 }  // namespace lmk_ops

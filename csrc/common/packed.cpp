@@ -71,28 +71,16 @@ Tensor PackedBatch::text_of_rows(const char* op) const {
   return lmk_ops::text_of_rows(lengths, tokens, op);
 }
 
-Tensor PackedBatch::absolute(const Tensor& positions) const {
-  return where(ge(positions, 0), add(positions, torch::stable::unsqueeze(starts, 1)), -1);
+Tensor PackedBatch::absolute(const Tensor& positions, int64_t none) const {
+  const Tensor values = as_contiguous(positions);
+  Tensor rows = empty_on(values, values.sizes(), values.scalar_type());
+  kernels_for(values).shift_rows(values, starts, 1, none, rows);
+  return rows;
 }
 
 Tensor PackedBatch::relative(Tensor rows) const {
-  // One loop, text by text, in place: a max_pool's [B, D] positions through three ATen ops cost 5% of its time,
-  // and with a copy and a division per entry a packed max_pool of 8-32 short texts took 1.5-1.9x the padded one's.
-  if (takes_host_path(rows) && rows.is_contiguous()) {
-    const int64_t* s = starts.const_data_ptr<int64_t>();
-    const int64_t width = rows.size(1);  // read once: a call into libtorch each
-    LMK_DISPATCH_INDEX(rows.scalar_type(), "relative", [&] {
-      index_t* r = rows.mutable_data_ptr<index_t>();
-      for (int64_t b = 0; b < batch; ++b, r += width) {
-        const auto start = static_cast<index_t>(s[b]);
-        for (int64_t i = 0; i < width; ++i) {
-          r[i] = r[i] >= 0 ? static_cast<index_t>(r[i] - start) : index_t(-1);
-        }
-      }
-    });
-    return rows;
-  }
-  return to_dtype(where(ge(rows, 0), sub(rows, torch::stable::unsqueeze(starts, 1)), -1), rows.scalar_type());
+  kernels_for(rows).shift_rows(rows, starts, -1, -1, rows);
+  return rows;
 }
 
 RowSelection PackedBatch::selection(const Tensor& selected) const {
@@ -195,7 +183,7 @@ Tensor prepare_packed_positions(const char* op, const Tensor& positions, const P
                     "cu_seqlens) or -1 for none"),
         EntryName::kLandmarks);
   }
-  return as_contiguous(packed.absolute(p));
+  return packed.absolute(p, -1);
 }
 
 Tensor prepare_packed_landmark_mask(const char* op, const Tensor& landmarks, const PackedBatch& packed,

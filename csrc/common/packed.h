@@ -30,10 +30,11 @@ struct PackedBatch {
   Tensor batch_view(const Tensor& hidden) const;
   // The text of each row [T] (int64), with no host synchronisation (errors name op).
   Tensor text_of_rows(const char* op) const;
-  // Positions counted from each text's start ([B, K], -1 padded) as absolute rows of hidden; -1 stays -1.
-  Tensor absolute(const Tensor& positions) const;
-  // Absolute rows of hidden ([B, K] int32 or int64, -1 padded) counted from each text's start again, in their
-  // dtype. rows must be the caller's own (a kernel's fresh output): on the CPU it is rewritten in place.
+  // Positions counted from each text's start ([B, K] int32 or int64, -1 padded) as absolute rows of hidden, a new
+  // contiguous tensor in their dtype; -1 becomes none.
+  Tensor absolute(const Tensor& positions, int64_t none) const;
+  // Absolute rows of hidden ([B, K] int32 or int64, -1 padded, contiguous) counted from each text's start again.
+  // rows must be the caller's own (a kernel's fresh output): it is rewritten in place.
   Tensor relative(Tensor rows) const;
   // The rows the forward kernels reduce, for the [B, T, D] batch view: where selected [T] (bool) is true, every row
   // of each text when it is undefined; as runs with selected as their mask (kernel_types.h), which the kernels list

@@ -20,18 +20,6 @@ Tensor scalar_like(const Tensor& like, double value) {
   return full_on(like, {}, value, like.scalar_type());
 }
 
-// a - alpha * b. The stable subtract passes alpha as a double, which ATen refuses for integer tensors: those go
-// through float64 and back, exactly (offsets, positions and counts stay far below 2^53).
-Tensor minus_scaled(const Tensor& a, const Tensor& b, double alpha) {
-  const ScalarType ta = a.scalar_type(), tb = b.scalar_type();
-  if (is_integral(ta) && is_integral(tb)) {
-    const ScalarType result = ta == ScalarType::Long || tb == ScalarType::Long ? ScalarType::Long : ta;
-    const auto wide = [](const Tensor& t) { return to_dtype(t, ScalarType::Double); };
-    return to_dtype(torch::stable::subtract(wide(a), wide(b), alpha), result);
-  }
-  return torch::stable::subtract(a, b, alpha);
-}
-
 }  // namespace
 
 Tensor empty_on(const Tensor& like, Sizes sizes, ScalarType dtype) {
@@ -83,18 +71,6 @@ Tensor to_dtype(const Tensor& t, ScalarType dtype) {
   return t.scalar_type() == dtype ? t : torch::stable::to(t, dtype);
 }
 
-Tensor add(const Tensor& a, const Tensor& b) {
-  return minus_scaled(a, b, -1.0);
-}
-
-Tensor sub(const Tensor& a, const Tensor& b) {
-  return minus_scaled(a, b, 1.0);
-}
-
-Tensor sub(const Tensor& a, int64_t b) {
-  return sub(a, scalar_like(a, static_cast<double>(b)));
-}
-
 // An ATen binary operator's Tensor overload, and its form with an integer operand (a 0-d tensor of a's dtype).
 #define LMK_OPS_BINARY(fn, name)                                 \
   Tensor fn(const Tensor& a, const Tensor& b) {                  \
@@ -132,13 +108,6 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
 
 Tensor where(const Tensor& cond, const Tensor& a, int64_t b) {
   return where(cond, a, scalar_like(a, static_cast<double>(b)));
-}
-
-Tensor arange_on(const Tensor& like, int64_t n) {
-  // ATen's arange takes Scalars: counted up from ones instead (exact: int64 throughout).
-  return sub(aten("aten::cumsum", "", full_on(like, {n}, 1, ScalarType::Long), int64_t{0},
-                  std::optional<ScalarType>()),
-             int64_t{1});
 }
 
 Tensor text_of_rows(const Tensor& lengths, int64_t rows, const char* op) {

@@ -64,15 +64,14 @@ Tensor as_contiguous(const Tensor& t);
 Tensor to_dtype(const Tensor& t, ScalarType dtype);
 
 // Element-wise, broadcasting as ATen does; a scalar operand becomes a 0-d tensor of a's dtype on a's device.
-Tensor add(const Tensor& a, const Tensor& b);
-Tensor sub(const Tensor& a, const Tensor& b), sub(const Tensor& a, int64_t b);
 Tensor mul(const Tensor& a, const Tensor& b), mul(const Tensor& a, int64_t b);
 Tensor div(const Tensor& a, const Tensor& b), div(const Tensor& a, int64_t b);
 Tensor ge(const Tensor& a, const Tensor& b), ge(const Tensor& a, int64_t b);
 Tensor lt(const Tensor& a, const Tensor& b), lt(const Tensor& a, int64_t b);
 Tensor ne(const Tensor& a, const Tensor& b), ne(const Tensor& a, int64_t b);
 Tensor clamp_min(const Tensor& a, double b);
-// t[1:] - t[:-1] of a 1-D tensor: one kernel, where sub() of integer tensors takes four (through float64).
+// t[1:] - t[:-1] of a 1-D tensor: one kernel (an integer subtraction through the stable ABI, whose alpha is a
+// float64, takes four: ATen refuses a floating alpha for integer tensors, so it would go through float64).
 Tensor differences(const Tensor& t);
 // t's entries at index along dimension dim; index_copy writes source's into dst there, in place (and returns dst).
 Tensor index_select(const Tensor& t, int64_t dim, const Tensor& index);
@@ -80,8 +79,6 @@ Tensor index_copy(const Tensor& dst, int64_t dim, const Tensor& index, const Ten
 // cond ? a : b, b a value of a's dtype.
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
 Tensor where(const Tensor& cond, const Tensor& a, int64_t b);
-// 0, 1, ..., n - 1 as int64 on like's device.
-Tensor arange_on(const Tensor& like, int64_t n);
 // Each row's text, [rows] int64: text b repeated lengths[b] times (lengths int64 [B], summing to rows; on the CPU,
 // lengths that do not are an error naming op).
 Tensor text_of_rows(const Tensor& lengths, int64_t rows, const char* op);

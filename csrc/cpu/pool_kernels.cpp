@@ -559,10 +559,10 @@ void max_backward(const Tensor& grad, const Tensor& argmax, Tensor& grad_hidden)
 }  // namespace
 
 const Kernels& kernels() {
-  // The row-copying kernels (cpu/rows.cpp) gain nothing from wider vectors and are compiled once.
+  // The row-copying and bookkeeping kernels (cpu/rows.cpp) gain nothing from wider vectors and are compiled once.
   static const Kernels k{cpu::check_range,    &mean_forward,        &max_forward,       cpu::mean_backward,
                          &max_backward,       cpu::gather_forward, cpu::gather_backward, &attention_forward,
-                         &attention_backward};
+                         &attention_backward, cpu::find_rows,     cpu::shift_rows};
   return k;
 }
 

@@ -258,4 +258,40 @@ void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_h
   });
 }
 
+void find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t batch, int64_t seq_len,
+               bool last, Tensor& found, Tensor& positions) {
+  const bool* v = valid.defined() ? valid.const_data_ptr<bool>() : nullptr;
+  const int64_t* s = starts.defined() ? starts.const_data_ptr<int64_t>() : nullptr;
+  const int64_t* n = lengths.defined() ? lengths.const_data_ptr<int64_t>() : nullptr;
+  int64_t* row_out = found.mutable_data_ptr<int64_t>();
+  int64_t* position_out = positions.mutable_data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {  // stops at the first hit: the usual text starts (ends) with a valid token
+    const int64_t start = s != nullptr ? s[b] : b * seq_len, length = n != nullptr ? n[b] : seq_len;
+    row_out[b] = position_out[b] = -1;
+    for (int64_t i = 0; i < length; ++i) {
+      const int64_t position = last ? length - 1 - i : i;
+      if (v == nullptr || v[start + position]) {
+        row_out[b] = start + position;
+        position_out[b] = position;
+        break;
+      }
+    }
+  }
+}
+
+void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, int64_t none, Tensor& out) {
+  const int64_t* s = starts.const_data_ptr<int64_t>();
+  const int64_t batch = values.size(0), width = values.size(1);  // read once: a call into libtorch each
+  LMK_DISPATCH_INDEX(values.scalar_type(), "shift_rows", [&] {
+    const index_t* v = values.const_data_ptr<index_t>();
+    index_t* o = out.mutable_data_ptr<index_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t shift = sign * s[b];
+      for (int64_t i = b * width; i < (b + 1) * width; ++i) {
+        o[i] = static_cast<index_t>(v[i] >= 0 ? v[i] + shift : none);
+      }
+    }
+  });
+}
+
 }  // namespace lmk_ops::cpu

@@ -1,6 +1,6 @@
 #pragma once
-// CPU kernels that write whole rows (the mean backward and landmark gather, forward and backward), and the value
-// check. Plain loops over rows with memcpy/memset: compiled once, not per CPU capability. Documented in
+// CPU kernels that write whole rows (the mean backward and landmark gather, forward and backward), the value
+// check, and the row bookkeeping of first/last-token pooling and packed batches. Plain loops over rows with memcpy/memset: compiled once, not per CPU capability. Documented in
 // common/kernel_types.h.
 #include <string>
 
@@ -13,5 +13,8 @@ void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string
 void mean_backward(const Tensor& scaled, const RowSelection& rows, Tensor& grad_hidden);
 void gather_forward(const Tensor& hidden, const Tensor& positions, Tensor& out);
 void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_hidden);
+void find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t batch, int64_t seq_len,
+               bool last, Tensor& found, Tensor& positions);
+void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, int64_t none, Tensor& out);
 
 }  // namespace lmk_ops::cpu

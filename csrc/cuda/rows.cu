@@ -1,6 +1,7 @@
 // Row listing (select_rows), value checks on the device, and the CUDA kernels that write whole rows: the mean and
 // max backward, landmark gather and its backward. A warp owns a row: it learns what the row needs (how often it is
-// selected, which gradient rows list it), then writes it once with 16-byte stores where the row is aligned.
+// selected, which gradient rows list it), then writes it once with 16-byte stores where the row is aligned. And the
+// row bookkeeping of first/last-token pooling and packed batches (find_rows, shift_rows).
 
 #include <algorithm>
 #include <cassert>
@@ -426,6 +427,39 @@ std::pair<Tensor, Tensor> invert_positions(const Tensor& positions, int64_t seq_
   return {times, first};
 }
 
+// A warp per text: 32 of its rows at a time, from its start (its end for last), until a valid one.
+__global__ void __launch_bounds__(kThreads)
+    find_rows_kernel(const bool* valid, const int64_t* starts, const int64_t* lengths, int64_t batch, int64_t seq_len,
+                     bool last, int64_t* found, int64_t* positions) {
+  const int lane = threadIdx.x % 32;
+  for_each_warp_row(batch, [&](int64_t b) {
+    const int64_t start = starts != nullptr ? starts[b] : b * seq_len;
+    const int64_t length = lengths != nullptr ? lengths[b] : seq_len;
+    int64_t position = -1;
+    for (int64_t base = 0; base < length; base += 32) {
+      const int64_t i = base + lane, at = last ? length - 1 - i : i;
+      const unsigned hits = __ballot_sync(0xffffffffu, i < length && (valid == nullptr || valid[start + at]));
+      if (hits != 0) {
+        const int64_t first = base + __ffs(static_cast<int>(hits)) - 1;
+        position = last ? length - 1 - first : first;
+        break;
+      }
+    }
+    if (lane == 0) {
+      found[b] = position >= 0 ? start + position : -1;
+      positions[b] = position;
+    }
+  });
+}
+
+template <typename index_t>
+__global__ void shift_rows_kernel(const index_t* values, const int64_t* starts, int64_t count, int64_t width,
+                                  int64_t sign, int64_t none, index_t* out) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
+    out[i] = static_cast<index_t>(values[i] >= 0 ? values[i] + sign * starts[i / width] : none);
+  }
+}
+
 }  // namespace
 
 RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_len) {
@@ -579,6 +613,34 @@ void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_h
           grad_hidden.mutable_data_ptr<scalar_t>());
       check_launch();
     });
+  });
+}
+
+void find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t batch, int64_t seq_len,
+               bool last, Tensor& found, Tensor& positions) {
+  const auto guard = on_device_of(found);
+  if (batch == 0) {
+    return;
+  }
+  find_rows_kernel<<<grid_for(batch, kWarpsPerBlock), kThreads, 0, stream()>>>(
+      valid.defined() ? valid.const_data_ptr<bool>() : nullptr,
+      starts.defined() ? starts.const_data_ptr<int64_t>() : nullptr,
+      lengths.defined() ? lengths.const_data_ptr<int64_t>() : nullptr, batch, seq_len, last,
+      found.mutable_data_ptr<int64_t>(), positions.mutable_data_ptr<int64_t>());
+  check_launch();
+}
+
+void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, int64_t none, Tensor& out) {
+  const auto guard = on_device_of(values);
+  const int64_t count = values.numel();
+  if (count == 0) {
+    return;
+  }
+  LMK_DISPATCH_INDEX(values.scalar_type(), "shift_rows", [&] {
+    shift_rows_kernel<index_t><<<grid_for(count, kThreads), kThreads, 0, stream()>>>(
+        values.const_data_ptr<index_t>(), starts.const_data_ptr<int64_t>(), count, values.size(1), sign, none,
+        out.mutable_data_ptr<index_t>());
+    check_launch();
   });
 }
 

@@ -19,5 +19,8 @@ void mean_backward(const Tensor& scaled, const RowSelection& rows, Tensor& grad_
 void max_backward(const Tensor& grad, const Tensor& argmax, Tensor& grad_hidden);
 void gather_forward(const Tensor& hidden, const Tensor& positions, Tensor& out);
 void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_hidden);
+void find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t batch, int64_t seq_len,
+               bool last, Tensor& found, Tensor& positions);
+void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, int64_t none, Tensor& out);
 
 }  // namespace lmk_ops::cuda

@@ -110,9 +110,9 @@ Tensor max_pool_backward(const Tensor& grad, const Tensor& argmax, int64_t seq_l
     const PackedBatch packed = prepare_packed_grad(op, grad, seq_len, *cu_seqlens);
     // Each text's maxima go to rows of its own, so no two texts write one element; a text with none writes into a
     // spare last row, dropped after.
-    const Tensor rows = packed.absolute(to_dtype(argmax, ScalarType::Long));
+    const Tensor rows = packed.absolute(to_dtype(argmax, ScalarType::Long), /*none=*/seq_len);
     Tensor grad_hidden = zeros_on(grad, {seq_len + 1, grad.size(1)}, grad.scalar_type());
-    aten("aten::scatter_", "src", grad_hidden, int64_t{0}, where(ge(rows, 0), rows, seq_len), grad);
+    aten("aten::scatter_", "src", grad_hidden, int64_t{0}, rows, grad);
     return slice(grad_hidden, 0, 0, seq_len);
   }
   Tensor grad_hidden = empty_on(grad, {grad.size(0), seq_len, grad.size(1)}, grad.scalar_type());

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The one command for a GPU machine (one H100 or H200, no network, see ../shared/GPU.md): builds lmk_ops with its
 # CUDA kernels against the torch installed there, using every core; runs tests/test_cuda.py (stopping at the first
-# failure), then the rest of the suite's CUDA cases; then compute-sanitizer's memcheck, racecheck, synccheck and
-# initcheck on scripts/cuda_kernel_tour.py, which launches every kernel; then the CUDA benchmark report, the
-# forward's host launch time against its kernels' and Nsight Compute's figures for each kernel of the issue's target
-# cases (scripts/cuda_profile.py), each op's kernels and host calls by torch.profiler (scripts/cuda_trace.py), the
-# CPU kernels' thread scaling on one long text (scripts/cpu_scaling.py: 1, 4 and all cores) and
+# failure), then the rest of the suite's CUDA cases; then compute-sanitizer's memcheck on
+# scripts/cuda_kernel_tour.py, which launches every kernel; then the CUDA benchmark report, the forward's host launch
+# time against its kernels' (scripts/cuda_profile.py), each op's kernels and host calls by torch.profiler
+# (scripts/cuda_trace.py) and Nsight Compute's figures for each kernel of the issue's target cases; then
+# compute-sanitizer's racecheck, synccheck and initcheck on the same tour, the CPU kernels' thread scaling on one
+# long text (scripts/cpu_scaling.py: 1, 4 and all cores) and
 # bench/end_to_end.py (a BERT-base training step and inference, lmk_ops against sentence-transformers' pooling).
 # Each step's log, the JUnit results and the JSON go to RESULTS_DIR, and a summary is printed at the end. Usage:
 #   bash scripts/gpu_check.sh RESULTS_DIR
@@ -14,8 +15,9 @@
 # another torch (scripts/build_wheels.sh: dist/cu130/, against torch 2.13.0); tests/test_cuda.py then runs with it too.
 # (Through a tool that returns only a few files, bundle the folder: tar -C RESULTS_DIR -czf bundle.tgz .)
 # Device time is scarce, so the run keeps to a deadline: GPU_CHECK_SECONDS (default 540) from its start. Steps run
-# in order of what they prove (build, kernel tests, the suite's CUDA cases, memcheck, the report, the other
-# sanitizers, then the profiles, the CPU scaling and the end-to-end step), each under its own time cap cut to what is
+# in order of what they prove (build, kernel tests, the suite's CUDA cases, memcheck, the report, the profiles that
+# say what limits the report's figures, the other sanitizers, which have found nothing in three runs, then the CPU
+# scaling and the end-to-end step), each under its own time cap cut to what is
 # left; a step the deadline leaves no room for is listed as not run. GPU_CHECK_SKIP names steps to leave out, e.g.
 # on a second call: GPU_CHECK_SKIP="suite racecheck synccheck initcheck" (keys: build test_cuda prebuilt suite
 # memcheck bench racecheck synccheck initcheck launch trace ncu scaling end_to_end; without build, the previous call's
@@ -79,9 +81,6 @@ if step build 300 "build (torch on this machine)" build.log build; then
   step memcheck 150 "compute-sanitizer memcheck" sanitizer_memcheck.log sanitize memcheck
   step bench 300 "benchmark report (CUDA)" bench.log in_site "$py" -m lmk_ops.bench --device cuda \
     --shapes 64x512x1024,8x8192x1024,1x32768x1024 --json "$results/bench-cuda.json"
-  for tool in racecheck synccheck initcheck; do
-    step "$tool" 150 "compute-sanitizer $tool" "sanitizer_$tool.log" sanitize "$tool"
-  done
   step launch 120 "host launches vs kernels (forward)" launch_overhead.log in_site "$py" "$root/scripts/cuda_profile.py"
   # Each op's kernels (which instance: VEC in the name) and host calls, forward and forward+backward.
   step trace 90 "torch.profiler trace of every op" cuda_trace.log in_site "$py" "$root/scripts/cuda_trace.py"
@@ -91,6 +90,9 @@ if step build 300 "build (torch on this machine)" build.log build; then
   metrics+=,launch__registers_per_thread
   step ncu 240 "ncu: kernels of the target cases" ncu.log in_site ncu --clock-control none --csv \
     --metrics "$metrics" "$py" "$root/scripts/cuda_profile.py" --once
+  for tool in racecheck synccheck initcheck; do
+    step "$tool" 150 "compute-sanitizer $tool" "sanitizer_$tool.log" sanitize "$tool"
+  done
   step scaling 180 "CPU thread scaling (1, 4, all cores)" cpu_scaling.log in_site "$py" \
     "$root/scripts/cpu_scaling.py" --json "$results/cpu-scaling.json"
   step end_to_end 240 "end to end: BERT-base train step, inference" end_to_end.log in_site "$py" \

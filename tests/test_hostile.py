@@ -306,6 +306,13 @@ def test_a_failed_torch_call_inside_an_op_names_the_op_and_says_what_torch_said(
         assert "torch logged why above" in message
 
 
+def test_a_host_buffer_too_large_to_allocate_is_an_lmk_ops_error_not_a_bare_memory_error():
+    # One text of 10^14 rows (a stride-0 view): its chunks' partial sums would take petabytes, beyond any address
+    # space, so the kernels' own buffer fails to allocate (std::bad_alloc, a bare MemoryError in Python).
+    with pytest.raises(RuntimeError, match=r"^lmk_ops::mean_pool: out of host memory for its working buffers"):
+        lmk_ops.mean_pool(torch.zeros(1, 1, 1).expand(1, 10**14, 1000))
+
+
 def test_a_long_text_gives_the_same_bits_alone_padded_packed_and_on_any_number_of_threads():
     gen = torch.Generator().manual_seed(9)
     text = torch.randn(1, 5000, 96, generator=gen)

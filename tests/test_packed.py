@@ -497,3 +497,27 @@ def test_every_reference_takes_a_packed_batch_and_agrees_with_its_padded_form_an
         torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match=r"^lmk_ops\.reference: expected max_seqlen at least the longest text \(7\)"):
         reference(packed, mask, cu_seqlens=offsets, max_seqlen=6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("last", [False, True])
+def test_token_pools_find_rows_behind_runs_of_padding_of_any_length(device, last):
+    # CUDA scans a text's rows 32 at a time, from its start (its end for the last token): valid rows behind 0, 31,
+    # 32, 33 and 70 invalid ones, a text with none and an empty text, padded and packed, against the reference.
+    gen = torch.Generator().manual_seed(5)
+    lengths, pads = [40, 75, 80, 90, 100, 6, 0], [0, 31, 32, 33, 70, 6, 0]
+    valid = torch.cat([torch.arange(n) >= p if not last else torch.arange(n) < n - p for n, p in zip(lengths, pads)])
+    valid[:9] = False  # the first text: 9 invalid rows before its first valid one, none after its last
+    hidden = torch.randn(sum(lengths), 8, generator=gen, dtype=torch.float64)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    fn = lmk_ops.last_token_pool if last else lmk_ops.first_token_pool
+    reference = lmk_ops.reference.last_token_pool if last else lmk_ops.reference.first_token_pool
+    padded, padded_valid, _, _ = lmk_ops.reference.padded_view(hidden, valid, offsets)
+    for args, kwargs in (((hidden, valid), {"cu_seqlens": offsets}), ((padded, padded_valid), {})):
+        want_h = args[0].clone().requires_grad_()
+        want = reference(want_h, args[1], **kwargs)
+        (want_grad,) = torch.autograd.grad(want, want_h, torch.ones_like(want))
+        got_h = args[0].to(device).requires_grad_()
+        got = fn(got_h, args[1].to(device), **{k: v.to(device) for k, v in kwargs.items()})
+        (got_grad,) = torch.autograd.grad(got, got_h, torch.ones_like(got))
+        assert torch.equal(got.cpu(), want.detach()) and torch.equal(got_grad.cpu(), want_grad)

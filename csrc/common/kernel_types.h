@@ -61,6 +61,8 @@ struct Kernels {
   void (*max_forward)(const Tensor& hidden, const RowSelection& rows, Tensor& out, Tensor& argmax);
   // scaled [B, D] contiguous in the accumulation type of grad_hidden's dtype (the gradient divided by each text's
   // row count); grad_hidden [B, L, D] contiguous, every row written: scaled[b] times how often the row is selected.
+  // For runs (rows.offsets defined: a packed batch of T rows), grad_hidden is [1, T, D], each row takes its own
+  // text's scaled row, and rows.mask is [T] or rows.positions [1, N] absolute rows (or neither: every row once).
   void (*mean_backward)(const Tensor& scaled, const RowSelection& rows, Tensor& grad_hidden);
   // grad [B, D] contiguous, argmax [B, D] contiguous int32; grad_hidden [B, L, D] contiguous, every row written.
   void (*max_backward)(const Tensor& grad, const Tensor& argmax, Tensor& grad_hidden);

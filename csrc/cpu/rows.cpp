@@ -30,8 +30,11 @@ std::vector<int32_t> times_listed(const RowSelection& rows, int64_t batch, int64
 
 // Writes every row of grad_hidden once, split over (b, l) rows: a row selected once is a memcpy of its text's
 // scaled gradient, an unselected row a memset, a row listed several times the scaled gradient times that count.
+// offsets (a packed batch's [B + 1], or null): grad_hidden is [1, T, D] and row t is text b's where offsets[b] <= t
+// < offsets[b + 1].
 template <typename scalar_t, typename times_t>
-void write_weighted_rows(const Tensor& scaled_wide, const times_t* times, Tensor& grad_hidden) {
+void write_weighted_rows(const Tensor& scaled_wide, const times_t* times, const int64_t* offsets,
+                         Tensor& grad_hidden) {
   using acc = acc_t<scalar_t>;
   const int64_t seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
   const acc* src_wide = scaled_wide.const_data_ptr<acc>();
@@ -43,10 +46,11 @@ void write_weighted_rows(const Tensor& scaled_wide, const times_t* times, Tensor
   const scalar_t* src = narrow.empty() ? reinterpret_cast<const scalar_t*>(src_wide) : narrow.data();
   scalar_t* dst = grad_hidden.mutable_data_ptr<scalar_t>();
   const size_t row_bytes = static_cast<size_t>(dim) * sizeof(scalar_t);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / dim);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / dim), texts = scaled_wide.size(0);
   torch::stable::parallel_for(0, grad_hidden.size(0) * seq_len, grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = row / seq_len;
+      const int64_t b = offsets == nullptr ? row / seq_len
+                                           : std::upper_bound(offsets, offsets + texts + 1, row) - offsets - 1;
       const int64_t n = times == nullptr ? 1 : static_cast<int64_t>(times[row]);
       scalar_t* out_row = dst + row * dim;
       if (n == 1) {
@@ -233,14 +237,15 @@ void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string
 }
 
 void mean_backward(const Tensor& scaled, const RowSelection& rows, Tensor& grad_hidden) {
+  const int64_t* offsets = rows.offsets.defined() ? rows.offsets.const_data_ptr<int64_t>() : nullptr;
   LMK_DISPATCH_FLOATING(grad_hidden.scalar_type(), "mean_backward", [&] {
     if (rows.positions.defined()) {
       const std::vector<int32_t> times = times_listed(rows, grad_hidden.size(0), grad_hidden.size(1));
-      write_weighted_rows<scalar_t>(scaled, times.data(), grad_hidden);
+      write_weighted_rows<scalar_t>(scaled, times.data(), offsets, grad_hidden);
     } else if (rows.mask.defined()) {
-      write_weighted_rows<scalar_t>(scaled, rows.mask.const_data_ptr<bool>(), grad_hidden);
+      write_weighted_rows<scalar_t>(scaled, rows.mask.const_data_ptr<bool>(), offsets, grad_hidden);
     } else {
-      write_weighted_rows<scalar_t, bool>(scaled, nullptr, grad_hidden);
+      write_weighted_rows<scalar_t, bool>(scaled, nullptr, offsets, grad_hidden);
     }
   });
 }

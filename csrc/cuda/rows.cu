@@ -278,18 +278,33 @@ struct SelectionView {
   }
 };
 
-// grad_hidden[b, l] = scaled[b] * times(b, l), rounded once; zeros for an unselected row.
+// The text of a packed batch's row: the b with offsets[b] <= row < offsets[b + 1] (row in [0, offsets[texts])).
+__device__ __forceinline__ int64_t text_of_row(const int64_t* offsets, int64_t texts, int64_t row) {
+  int64_t lo = 0, hi = texts;  // offsets[lo] <= row < offsets[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (offsets[mid] <= row) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// grad_hidden[b, l] = scaled[b] * times(b, l), rounded once; zeros for an unselected row. With offsets (a packed
+// batch: batch 1, seq_len T), row t takes its own text's scaled row.
 template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kThreads) mean_backward_kernel(const acc_t<scalar_t>* scaled,
-                                                                 SelectionView selection, int64_t batch,
-                                                                 int64_t seq_len, int64_t dim,
-                                                                 scalar_t* grad_hidden) {
+                                                                 SelectionView selection, const int64_t* offsets,
+                                                                 int64_t texts, int64_t batch, int64_t seq_len,
+                                                                 int64_t dim, scalar_t* grad_hidden) {
   using acc = acc_t<scalar_t>;
   const int lane = threadIdx.x % 32;
   const int64_t packs = dim / VEC;
   for_each_warp_row(batch * seq_len, [&](int64_t row) {
     const acc times = static_cast<acc>(selection.of(row));
-    const acc* source = scaled + (row / seq_len) * dim;
+    const acc* source = scaled + (offsets != nullptr ? text_of_row(offsets, texts, row) : row / seq_len) * dim;
     for (int64_t v = lane; v < packs; v += 32) {
       acc x[VEC];
       if (times == acc(0)) {
@@ -562,8 +577,9 @@ void mean_backward(const Tensor& scaled, const RowSelection& rows, Tensor& grad_
     vec = packs_fit(scaled, vec) ? vec : 1;
     with_vector_width<scalar_t>(vec, [&]<int VEC>() {
       mean_backward_kernel<scalar_t, VEC><<<grid_for(batch * seq_len, kWarpsPerBlock), kThreads, 0, stream()>>>(
-          scaled.const_data_ptr<acc_t<scalar_t>>(), selection, batch, seq_len, dim,
-          grad_hidden.mutable_data_ptr<scalar_t>());
+          scaled.const_data_ptr<acc_t<scalar_t>>(), selection,
+          rows.offsets.defined() ? rows.offsets.const_data_ptr<int64_t>() : nullptr, scaled.size(0), batch, seq_len,
+          dim, grad_hidden.mutable_data_ptr<scalar_t>());
       check_launch();
     });
   });

@@ -38,11 +38,14 @@ Tensor landmark_mean_backward(const Tensor& grad, const Tensor& landmarks, int64
     const PackedBatch packed = prepare_packed_grad(op, grad, seq_len, *cu_seqlens);
     if (landmarks.scalar_type() == ScalarType::Bool) {
       const Tensor selected = prepare_packed_landmark_mask(op, landmarks, packed, grad);
-      return packed_mean_backward(op, grad, packed, selected, packed.count(selected), dtype);
+      return packed_mean_backward(grad, packed, packed.selection(selected), packed.count(selected), dtype);
     }
+    // The texts' listed rows as one list of absolute rows: each row is one text's, so the counts are per row.
     const Tensor rows = prepare_packed_positions(op, landmarks, packed, grad, Values::kTrusted);
+    RowSelection listed = packed.selection(Tensor());
+    listed.positions = torch::stable::view(rows, {1, rows.numel()});
     const Tensor count = torch::stable::sum(ge(landmarks, 0), std::vector<int64_t>{1});
-    return packed_mean_backward(op, grad, packed, times_listed(rows, seq_len), count, dtype);
+    return packed_mean_backward(grad, packed, listed, count, dtype);
   }
   const RowSelection rows = prepare_landmarks(op, landmarks, grad.size(0), seq_len, grad, Values::kTrusted);
   return mean_of_rows_backward(grad, rows, seq_len, dtype);

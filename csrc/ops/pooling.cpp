@@ -167,25 +167,16 @@ Tensor mean_of_rows_backward(const Tensor& grad, const RowSelection& rows, int64
   return grad_hidden;
 }
 
-Tensor packed_mean_backward(const char* op, const Tensor& grad, const PackedBatch& packed, const Tensor& times,
+Tensor packed_mean_backward(const Tensor& grad, const PackedBatch& packed, const RowSelection& rows,
                             const Tensor& count, std::optional<ScalarType> dtype) {
   const ScalarType out_type = dtype.value_or(grad.scalar_type());
-  const Tensor scaled =
-      div(to_dtype(grad, acc_dtype(out_type)), torch::stable::unsqueeze(clamp_min(count, 1), 1));
-  Tensor rows = index_select(scaled, 0, packed.text_of_rows(op));
-  if (times.defined() && times.scalar_type() != ScalarType::Bool) {
-    rows = mul(rows, torch::stable::unsqueeze(times, 1));  // a row listed n times: grad * n / count, rounded once,
-  }                                                        // as the padded kernels
-  const Tensor grad_hidden = to_dtype(rows, out_type);
-  return times.defined() ? where(torch::stable::unsqueeze(ne(times, 0), 1), grad_hidden, 0) : grad_hidden;
-}
-
-Tensor times_listed(const Tensor& positions, int64_t tokens) {
-  // Entries of -1 count into a spare last row, dropped after.
-  const Tensor row = torch::stable::flatten(where(ge(positions, 0), positions, tokens));
-  Tensor times = zeros_on(positions, {tokens + 1}, ScalarType::Long);
-  aten("aten::scatter_add_", "", times, int64_t{0}, row, full_on(row, {row.numel()}, 1, ScalarType::Long));
-  return slice(times, 0, 0, tokens);
+  Tensor grad_hidden = empty_on(grad, {1, packed.tokens, grad.size(1)}, out_type);
+  if (grad_hidden.numel() > 0) {
+    const Tensor scaled = as_contiguous(
+        div(to_dtype(grad, acc_dtype(out_type)), torch::stable::unsqueeze(clamp_min(count, 1), 1)));
+    kernels_for(grad).mean_backward(scaled, rows, grad_hidden);
+  }
+  return torch::stable::view(grad_hidden, {packed.tokens, grad.size(1)});
 }
 
 }  // namespace lmk_ops::ops

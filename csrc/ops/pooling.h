@@ -25,14 +25,10 @@ std::tuple<Tensor, Tensor> mean_of_rows(const Tensor& hidden, const RowSelection
 Tensor mean_of_rows_backward(
     const Tensor& grad, const RowSelection& rows, int64_t seq_len, std::optional<ScalarType> dtype);
 
-// The gradient of a packed batch's mean, [T, D] in dtype: row t of text b gets grad[b] * times[t] / count[b]
-// (times undefined: every row once; bool or int64 [T]: how often row t is selected, counted in count [B]), computed
-// and rounded exactly as mean_of_rows_backward does for the padded batch, so that a text gets the same bits.
-// Errors name op.
-Tensor packed_mean_backward(const char* op, const Tensor& grad, const PackedBatch& packed, const Tensor& times,
+// The gradient of a packed batch's mean, [T, D] in dtype: row t of text b gets grad[b] / count[b] times how often
+// rows selects it (packed.selection(mask), or a [1, N] list of absolute rows as positions: kernel_types.h), written
+// once by the kernels and rounding of mean_of_rows_backward, so that a text gets the same bits packed and padded.
+Tensor packed_mean_backward(const Tensor& grad, const PackedBatch& packed, const RowSelection& rows,
                             const Tensor& count, std::optional<ScalarType> dtype);
-
-// How often each row of a packed batch is listed in absolute positions [B, K] (-1 padded): int64 [T].
-Tensor times_listed(const Tensor& positions, int64_t tokens);
 
 }  // namespace lmk_ops::ops

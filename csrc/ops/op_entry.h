@@ -1,9 +1,9 @@
 #pragma once
 // LMK_OPS_IMPL(m, "name", fn) registers fn as the op lmk_ops::name, behind an entry that names the op in the error
 // of a failed torch call, or of a host allocation that failed (std::bad_alloc, which Python would show as a bare
-// MemoryError). The stable ABI's own calls (torch::stable::sum, view, fill_, ...) throw "<shim call> API
-// call failed at <header>, line <n>" without torch's reason (a build that serves torch before 2.13 cannot get it at
-// compile time), nor the op: on CUDA that is where an earlier kernel's device-side assertion often surfaces.
+// MemoryError). The stable ABI's own calls (torch::stable::sum, view, fill_, ...) throw "<shim call> API call failed
+// at <header>, line <n>" without torch's reason (a build that serves torch before 2.13 cannot get it at compile
+// time), nor the op: on CUDA that is where an earlier kernel's device-side assertion often surfaces.
 #include <torch/csrc/stable/library.h>
 
 #include <algorithm>
@@ -41,8 +41,8 @@ struct OpEntry<op, fn> {
 
 }  // namespace lmk_ops
 
-#define LMK_OPS_IMPL(m, name, fn)                        \
-  do {                                                   \
-    using Entry = ::lmk_ops::OpEntry<name, &fn>;         \
-    (m).impl(name, TORCH_BOX(&Entry::call));             \
+#define LMK_OPS_IMPL(m, name, fn)                \
+  do {                                           \
+    using Entry = ::lmk_ops::OpEntry<name, &fn>; \
+    (m).impl(name, TORCH_BOX(&Entry::call));     \
   } while (false)

@@ -64,8 +64,11 @@ struct Kernels {
   // For runs (rows.offsets defined: a packed batch of T rows), grad_hidden is [1, T, D], each row takes its own
   // text's scaled row, and rows.mask is [T] or rows.positions [1, N] absolute rows (or neither: every row once).
   void (*mean_backward)(const Tensor& scaled, const RowSelection& rows, Tensor& grad_hidden);
-  // grad [B, D] contiguous, argmax [B, D] contiguous int32; grad_hidden [B, L, D] contiguous, every row written.
-  void (*max_backward)(const Tensor& grad, const Tensor& argmax, Tensor& grad_hidden);
+  // grad [B, D] contiguous, argmax [B, D] contiguous int32 (positions from each text's start, -1 for none);
+  // grad_hidden [B, L, D] contiguous, every row written: grad[b, d] where argmax[b, d] is the row's position, else 0.
+  // With offsets (a packed batch's [B + 1] int64, contiguous; else undefined), grad_hidden is [1, T, D] and row t is
+  // text b's position t - offsets[b], where offsets[b] <= t < offsets[b + 1].
+  void (*max_backward)(const Tensor& grad, const Tensor& argmax, const Tensor& offsets, Tensor& grad_hidden);
   // positions [B, K] contiguous int64 (-1 or in [0, L)); out [B, K, D] contiguous, zero rows for -1. K may be 0.
   void (*gather_forward)(const Tensor& hidden, const Tensor& positions, Tensor& out);
   // grad [B, K, D] contiguous; every row of grad_hidden [B, L, D] (contiguous) written: the sum of the grad rows
@@ -93,8 +96,8 @@ struct Kernels {
                     bool last, Tensor& found, Tensor& positions);
   // Row numbers moved between a text's own and the batch's: values [B, W] contiguous, int32 or int64; starts int64
   // [B]. out (values' dtype and shape, contiguous; may be values itself) = values + sign * starts[b] where values >=
-  // 0, else none. One pass: ATen's integer subtraction through the stable ABI is four kernels (it goes by float64).
-  void (*shift_rows)(const Tensor& values, const Tensor& starts, int64_t sign, int64_t none, Tensor& out);
+  // 0, else -1. One pass: ATen's integer subtraction through the stable ABI is four kernels (it goes by float64).
+  void (*shift_rows)(const Tensor& values, const Tensor& starts, int64_t sign, Tensor& out);
 };
 
 }  // namespace lmk_ops

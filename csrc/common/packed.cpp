@@ -71,15 +71,15 @@ Tensor PackedBatch::text_of_rows(const char* op) const {
   return lmk_ops::text_of_rows(lengths, tokens, op);
 }
 
-Tensor PackedBatch::absolute(const Tensor& positions, int64_t none) const {
+Tensor PackedBatch::absolute(const Tensor& positions) const {
   const Tensor values = as_contiguous(positions);
   Tensor rows = empty_on(values, values.sizes(), values.scalar_type());
-  kernels_for(values).shift_rows(values, starts, 1, none, rows);
+  kernels_for(values).shift_rows(values, starts, 1, rows);
   return rows;
 }
 
 Tensor PackedBatch::relative(Tensor rows) const {
-  kernels_for(rows).shift_rows(rows, starts, -1, -1, rows);
+  kernels_for(rows).shift_rows(rows, starts, -1, rows);
   return rows;
 }
 
@@ -183,7 +183,7 @@ Tensor prepare_packed_positions(const char* op, const Tensor& positions, const P
                     "cu_seqlens) or -1 for none"),
         EntryName::kLandmarks);
   }
-  return packed.absolute(p, -1);
+  return packed.absolute(p);
 }
 
 Tensor prepare_packed_landmark_mask(const char* op, const Tensor& landmarks, const PackedBatch& packed,

@@ -30,9 +30,9 @@ struct PackedBatch {
   Tensor batch_view(const Tensor& hidden) const;
   // The text of each row [T] (int64), with no host synchronisation (errors name op).
   Tensor text_of_rows(const char* op) const;
-  // Positions counted from each text's start ([B, K] int32 or int64, -1 padded) as absolute rows of hidden, a new
-  // contiguous tensor in their dtype; -1 becomes none.
-  Tensor absolute(const Tensor& positions, int64_t none) const;
+  // Positions counted from each text's start ([B, K] int32 or int64, -1 padded) as absolute rows of hidden (-1
+  // stays -1), a new contiguous tensor in their dtype.
+  Tensor absolute(const Tensor& positions) const;
   // Absolute rows of hidden ([B, K] int32 or int64, -1 padded, contiguous) counted from each text's start again.
   // rows must be the caller's own (a kernel's fresh output): it is rewritten in place.
   Tensor relative(Tensor rows) const;

@@ -523,18 +523,21 @@ void max_forward(const Tensor& hidden, const RowSelection& rows, Tensor& out, Te
 
 // Backward of max: grad_hidden[b, l, d] = grad[b, d] where argmax[b, d] == l, else 0. Split over (b, l) rows, each
 // row written once, whole and in order. Only bits are moved (zero is all-zero bits in every float dtype), so the
-// select runs on unsigned words of the element's width, which the compiler vectorises for this capability.
+// select runs on unsigned words of the element's width, which the compiler vectorises for this capability. With
+// offsets (a packed batch), row t is text b's position t - offsets[b] (as mean_backward finds its text).
 template <typename word_t>
-void max_backward_words(const Tensor& grad, const Tensor& argmax, Tensor& grad_hidden) {
-  const int64_t seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
+void max_backward_words(const Tensor& grad, const Tensor& argmax, const Tensor& offsets, Tensor& grad_hidden) {
+  const int64_t seq_len = grad_hidden.size(1), dim = grad_hidden.size(2), texts = grad.size(0);
   const auto* g = static_cast<const word_t*>(grad.const_data_ptr());
   const int32_t* a = argmax.const_data_ptr<int32_t>();
+  const int64_t* starts = offsets.defined() ? offsets.const_data_ptr<int64_t>() : nullptr;
   auto* out = static_cast<word_t*>(grad_hidden.mutable_data_ptr());
   const int64_t grain = std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, dim));
   torch::stable::parallel_for(0, grad_hidden.size(0) * seq_len, grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = row / seq_len;
-      const auto l = static_cast<int32_t>(row % seq_len);
+      const int64_t b = starts == nullptr ? row / seq_len
+                                          : std::upper_bound(starts, starts + texts + 1, row) - starts - 1;
+      const auto l = static_cast<int32_t>(starts == nullptr ? row % seq_len : row - starts[b]);
       const word_t* gb = g + b * dim;
       const int32_t* ab = a + b * dim;
       word_t* dst = out + row * dim;
@@ -545,14 +548,14 @@ void max_backward_words(const Tensor& grad, const Tensor& argmax, Tensor& grad_h
   });
 }
 
-void max_backward(const Tensor& grad, const Tensor& argmax, Tensor& grad_hidden) {
+void max_backward(const Tensor& grad, const Tensor& argmax, const Tensor& offsets, Tensor& grad_hidden) {
   switch (grad.element_size()) {
     case 2:
-      return max_backward_words<uint16_t>(grad, argmax, grad_hidden);
+      return max_backward_words<uint16_t>(grad, argmax, offsets, grad_hidden);
     case 4:
-      return max_backward_words<uint32_t>(grad, argmax, grad_hidden);
+      return max_backward_words<uint32_t>(grad, argmax, offsets, grad_hidden);
     default:
-      return max_backward_words<uint64_t>(grad, argmax, grad_hidden);
+      return max_backward_words<uint64_t>(grad, argmax, offsets, grad_hidden);
   }
 }
 

@@ -284,7 +284,7 @@ void find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths,
   }
 }
 
-void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, int64_t none, Tensor& out) {
+void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, Tensor& out) {
   const int64_t* s = starts.const_data_ptr<int64_t>();
   const int64_t batch = values.size(0), width = values.size(1);  // read once: a call into libtorch each
   LMK_DISPATCH_INDEX(values.scalar_type(), "shift_rows", [&] {
@@ -293,7 +293,7 @@ void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, int64_
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t shift = sign * s[b];
       for (int64_t i = b * width; i < (b + 1) * width; ++i) {
-        o[i] = static_cast<index_t>(v[i] >= 0 ? v[i] + shift : none);
+        o[i] = static_cast<index_t>(v[i] >= 0 ? v[i] + shift : -1);
       }
     }
   });

@@ -324,16 +324,18 @@ __global__ void __launch_bounds__(kThreads) mean_backward_kernel(const acc_t<sca
   });
 }
 
-// grad_hidden[b, l, d] = grad[b, d] where argmax[b, d] == l, else 0.
+// grad_hidden[b, l, d] = grad[b, d] where argmax[b, d] == l, else 0. With offsets (a packed batch: batch 1, seq_len
+// T), row t is its own text's position t - offsets[b].
 template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kThreads) max_backward_kernel(const scalar_t* grad, const int32_t* argmax,
+                                                                const int64_t* offsets, int64_t texts,
                                                                 int64_t batch, int64_t seq_len, int64_t dim,
                                                                 scalar_t* grad_hidden) {
   const int lane = threadIdx.x % 32;
   const int64_t packs = dim / VEC;
   for_each_warp_row(batch * seq_len, [&](int64_t row) {
-    const int64_t b = row / seq_len;
-    const auto l = static_cast<int32_t>(row % seq_len);
+    const int64_t b = offsets != nullptr ? text_of_row(offsets, texts, row) : row / seq_len;
+    const auto l = static_cast<int32_t>(offsets != nullptr ? row - offsets[b] : row % seq_len);
     for (int64_t v = lane; v < packs; v += 32) {
       int32_t where[VEC];
       load_pack<VEC>(argmax + b * dim + v * VEC, where);
@@ -469,9 +471,9 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename index_t>
 __global__ void shift_rows_kernel(const index_t* values, const int64_t* starts, int64_t count, int64_t width,
-                                  int64_t sign, int64_t none, index_t* out) {
+                                  int64_t sign, index_t* out) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
-    out[i] = static_cast<index_t>(values[i] >= 0 ? values[i] + sign * starts[i / width] : none);
+    out[i] = static_cast<index_t>(values[i] >= 0 ? values[i] + sign * starts[i / width] : -1);
   }
 }
 
@@ -585,7 +587,7 @@ void mean_backward(const Tensor& scaled, const RowSelection& rows, Tensor& grad_
   });
 }
 
-void max_backward(const Tensor& grad, const Tensor& argmax, Tensor& grad_hidden) {
+void max_backward(const Tensor& grad, const Tensor& argmax, const Tensor& offsets, Tensor& grad_hidden) {
   const auto guard = on_device_of(grad_hidden);
   const int64_t batch = grad_hidden.size(0), seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
   LMK_DISPATCH_FLOATING(grad_hidden.scalar_type(), "max_pool_backward", [&] {
@@ -593,7 +595,8 @@ void max_backward(const Tensor& grad, const Tensor& argmax, Tensor& grad_hidden)
     vec = packs_fit(grad, vec) && packs_fit(argmax, vec) ? vec : 1;
     with_vector_width<scalar_t>(vec, [&]<int VEC>() {
       max_backward_kernel<scalar_t, VEC><<<grid_for(batch * seq_len, kWarpsPerBlock), kThreads, 0, stream()>>>(
-          grad.const_data_ptr<scalar_t>(), argmax.const_data_ptr<int32_t>(), batch, seq_len, dim,
+          grad.const_data_ptr<scalar_t>(), argmax.const_data_ptr<int32_t>(),
+          offsets.defined() ? offsets.const_data_ptr<int64_t>() : nullptr, grad.size(0), batch, seq_len, dim,
           grad_hidden.mutable_data_ptr<scalar_t>());
       check_launch();
     });
@@ -646,7 +649,7 @@ void find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths,
   check_launch();
 }
 
-void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, int64_t none, Tensor& out) {
+void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, Tensor& out) {
   const auto guard = on_device_of(values);
   const int64_t count = values.numel();
   if (count == 0) {
@@ -654,7 +657,7 @@ void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, int64_
   }
   LMK_DISPATCH_INDEX(values.scalar_type(), "shift_rows", [&] {
     shift_rows_kernel<index_t><<<grid_for(count, kThreads), kThreads, 0, stream()>>>(
-        values.const_data_ptr<index_t>(), starts.const_data_ptr<int64_t>(), count, values.size(1), sign, none,
+        values.const_data_ptr<index_t>(), starts.const_data_ptr<int64_t>(), count, values.size(1), sign,
         out.mutable_data_ptr<index_t>());
     check_launch();
   });

@@ -16,11 +16,11 @@ struct RangeMessage {
 
 void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, EntryName naming);
 void mean_backward(const Tensor& scaled, const RowSelection& rows, Tensor& grad_hidden);
-void max_backward(const Tensor& grad, const Tensor& argmax, Tensor& grad_hidden);
+void max_backward(const Tensor& grad, const Tensor& argmax, const Tensor& offsets, Tensor& grad_hidden);
 void gather_forward(const Tensor& hidden, const Tensor& positions, Tensor& out);
 void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_hidden);
 void find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t batch, int64_t seq_len,
                bool last, Tensor& found, Tensor& positions);
-void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, int64_t none, Tensor& out);
+void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, Tensor& out);
 
 }  // namespace lmk_ops::cuda

@@ -107,21 +107,17 @@ Tensor max_pool_backward(const Tensor& grad, const Tensor& argmax, int64_t seq_l
       argmax.scalar_type(), " of shape ", shape_str(argmax.sizes()));
   LMK_CHECK(seq_len >= 0, "lmk_ops.", op, ": expected seq_len >= 0, got ", seq_len);
   // argmax is what max_pool produced, so its values are trusted (the kernels only compare them with row indices).
+  // A packed batch's rows are written by the padded batch's kernel as runs: [1, T, D], each row its own text's.
+  Tensor offsets;
   if (cu_seqlens.has_value()) {
-    const PackedBatch packed = prepare_packed_grad(op, grad, seq_len, *cu_seqlens);
-    // Each text's maxima go to rows of its own, so no two texts write one element; a text with none writes into a
-    // spare last row, dropped after.
-    const Tensor rows = packed.absolute(to_dtype(argmax, ScalarType::Long), /*none=*/seq_len);
-    Tensor grad_hidden = zeros_on(grad, {seq_len + 1, grad.size(1)}, grad.scalar_type());
-    aten("aten::scatter_", "src", grad_hidden, int64_t{0}, rows, grad);
-    return slice(grad_hidden, 0, 0, seq_len);
+    offsets = prepare_packed_grad(op, grad, seq_len, *cu_seqlens).offsets;
   }
-  Tensor grad_hidden = empty_on(grad, {grad.size(0), seq_len, grad.size(1)}, grad.scalar_type());
-  if (grad_hidden.numel() == 0) {
-    return grad_hidden;
+  const int64_t batch = offsets.defined() ? 1 : grad.size(0);
+  Tensor grad_hidden = empty_on(grad, {batch, seq_len, grad.size(1)}, grad.scalar_type());
+  if (grad_hidden.numel() > 0) {
+    kernels_for(grad).max_backward(as_contiguous(grad), as_contiguous(argmax), offsets, grad_hidden);
   }
-  kernels_for(grad).max_backward(as_contiguous(grad), as_contiguous(argmax), grad_hidden);
-  return grad_hidden;
+  return offsets.defined() ? torch::stable::view(grad_hidden, {seq_len, grad.size(1)}) : grad_hidden;
 }
 
 Tensor valid_mask(const Tensor& mask, std::string op) {

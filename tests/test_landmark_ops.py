@@ -9,7 +9,7 @@ import torch
 from hypothesis import example, given
 
 import lmk_ops
-from devices import DEVICES, on
+from devices import DEVICES, expect_bad_value, on
 from lmk_ops import reference
 from parity import check_pair, forward_and_grad
 from strategies import LandmarkCase, landmark_cases, pool_cases
@@ -164,3 +164,50 @@ def test_landmark_positions():
                                                r"width of the positions \[B, K\]\) or None, got"):
             lmk_ops.landmark_gather(torch.randn(3, 5, 2), positions, num_landmarks=wrong)
     assert lmk_ops.landmark_positions(torch.zeros(0, 4, dtype=torch.bool)).shape == (0, 0)
+
+
+def _positions_by_loop(mask, lengths=None):
+    """Each text's true entries in order, -1 padded to the widest: a row loop (padded [B, L], or packed [T] split
+    by lengths)."""
+    texts = list(mask) if lengths is None else list(torch.split(mask, lengths))
+    found = [text.nonzero().flatten().tolist() for text in texts]
+    width = max((len(f) for f in found), default=0)
+    return torch.tensor([f + [-1] * (width - len(f)) for f in found], dtype=torch.long).view(len(found), width)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_landmark_positions_find_every_true_entry_in_order_padded_and_packed(device, request):
+    # Texts longer than a warp's 32-row scan, with runs of landmarks crossing its rounds, empty texts and texts with
+    # none: one op (find_rows) on every device, padded and packed, with K found (a count pass) or given.
+    gen = torch.Generator().manual_seed(0)
+    lengths = [0, 1, 31, 32, 33, 64, 100, 257, 0, 5]
+    mask = torch.rand(sum(lengths), generator=gen) < 0.3
+    mask[40:110] = True  # a run across several rounds of 32
+    cu_seqlens = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
+    want = _positions_by_loop(mask, lengths)
+    got = lmk_ops.landmark_positions(mask.to(device), cu_seqlens=cu_seqlens.to(device))
+    assert torch.equal(got.cpu(), want)
+    wide = lmk_ops.landmark_positions(mask.to(device), want.shape[1] + 3, cu_seqlens=cu_seqlens.long().to(device))
+    assert torch.equal(wide.cpu(), torch.cat([want, torch.full((len(lengths), 3), -1)], 1))
+    padded = torch.zeros(len(lengths), max(lengths), dtype=torch.bool)
+    for b, text in enumerate(torch.split(mask, lengths)):
+        padded[b, max(lengths) - len(text):] = text  # left padding: positions count from the row's start
+    shift = torch.tensor([max(lengths) - n for n in lengths]).unsqueeze(1)
+    got = lmk_ops.landmark_positions(padded.to(device)).cpu()
+    assert torch.equal(got, torch.where(want >= 0, want + shift, -1))
+    h = torch.randn(len(lengths), max(lengths), 4, device=device)
+    vectors, valid = lmk_ops.landmark_gather(h, padded.to(device))
+    assert torch.equal(valid.cpu(), got >= 0) and torch.equal(vectors, lmk_ops.landmark_gather(h, got.to(device))[0])
+    width = want.shape[1] + 2
+    cases = [(padded, width, None), (padded, None, None), (mask, width, cu_seqlens), (mask, None, cu_seqlens.long())]
+    for args in cases:
+        torch.library.opcheck(torch.ops.lmk_ops.landmark_positions.default,
+                              (args[0].to(device), args[1], on(device, args[2]), "landmark_positions"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_landmark_positions_refuse_a_text_with_more_than_num_landmarks_on_every_device(device, request):
+    mask = torch.zeros(3, 40, dtype=torch.bool, device=device)
+    mask[2, 3:40:2] = True  # 19 landmarks, in the second round of a warp's scan too
+    expect_bad_value(device, r"lmk_ops\.landmark_positions: expected at most num_landmarks = 18 landmarks per row, "
+                             r"got 19 in row 2", lambda: lmk_ops.landmark_positions(mask, 18), request)

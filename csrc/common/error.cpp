@@ -36,15 +36,30 @@ void throw_shim_error(const std::string& doing) {
   fail(message, " (lmk_ops: while ", doing, ")");
 }
 
+namespace {
+
+// torch/headeronly/util/shim_utils.h's TORCH_ERROR_CODE_CHECK, which the stable ABI's functions use.
+bool is_failed_shim_call(const std::string& what) {
+  return what.find(" API call failed at ") != std::string::npos;
+}
+
+}  // namespace
+
 void rethrow_naming_op(const char* op, const std::runtime_error& failure) {
   const std::string what = failure.what();
-  // torch/headeronly/util/shim_utils.h's TORCH_ERROR_CODE_CHECK, which the stable ABI's functions use.
-  if (what.find(" API call failed at ") == std::string::npos) {
+  if (!is_failed_shim_call(what)) {
     throw;
   }
+  fail("lmk_ops::", op, ": a call into torch failed: ", failure_reason(failure), " (", what, ")");
+}
+
+std::string failure_reason(const std::exception& failure) {
+  const std::string what = failure.what();
+  if (!is_failed_shim_call(what)) {
+    return what;
+  }
   const std::string message = shim_error_message();
-  fail("lmk_ops::", op, ": a call into torch failed: ", message.empty() ? "torch logged why above" : message, " (",
-       what, ")");
+  return message.empty() ? "torch logged why above" : message;
 }
 
 }  // namespace lmk_ops

@@ -25,6 +25,9 @@ template <typename... Parts>
 // was.
 [[noreturn]] void rethrow_naming_op(const char* op, const std::runtime_error& failure);
 
+// Why failure happened: torch's reason for a failed torch call where this torch can say it, else its what().
+std::string failure_reason(const std::exception& failure);
+
 template <typename... Parts>
 [[noreturn]] void fail_shim_call(const Parts&... doing) {
   std::ostringstream message;

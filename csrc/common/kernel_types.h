@@ -45,8 +45,9 @@ struct AttentionRows {
 };
 
 // How check_range names the first bad value after "<expected>, got V": " at [r, c]" (" at [i]" for values [n]),
-// " in row r (landmarks[r, c])", or nothing where the message names the one entry checked ("cu_seqlens[0]").
-enum class EntryName { kIndex, kLandmarks, kNone };
+// " in row r (landmarks[r, c])", " in row i" (values [n], one per text), or nothing where the message names the one
+// entry checked ("cu_seqlens[0]").
+enum class EntryName { kIndex, kLandmarks, kRow, kNone };
 
 // The kernel table of one device (for the CPU, of one capability).
 struct Kernels {
@@ -87,13 +88,15 @@ struct Kernels {
   void (*attention_backward)(const Tensor& grad, const Tensor& grad_weights, const Tensor& hidden,
                              const AttentionRows& rows, const Tensor& query, const Tensor& out,
                              const Tensor& stats, double scale, Tensor& grad_hidden, Tensor& grad_query);
-  // Each text's first (last) valid row, for first/last-token pooling. The B texts are runs of rows, text b's rows
+  // The valid rows of each text, for first/last-token pooling and landmark positions. The B texts are runs of rows
   // [starts[b], starts[b] + lengths[b]) (starts, lengths int64 [B] contiguous), or where those are undefined a
   // padded batch's, [b * seq_len, (b + 1) * seq_len). valid: bool over the rows, contiguous, or undefined for every
-  // row. Writes found and positions, int64 [B, 1] contiguous: the row and its position from the text's start, -1 for
-  // a text with none. B may be 0.
+  // row. Writes positions, int64 [B, K] contiguous (K >= 0): each text's first K valid rows in order (with last, its
+  // last K, the last first) as positions from the text's start, -1 past its valid rows; found (int64 [B, K], or
+  // undefined) the same rows of the batch; counts (int64 [B], or undefined) how many valid rows each text has. B
+  // may be 0. Without counts a text's scan stops at its K-th valid row (the usual text starts with a valid token).
   void (*find_rows)(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t batch, int64_t seq_len,
-                    bool last, Tensor& found, Tensor& positions);
+                    bool last, Tensor& found, Tensor& positions, Tensor& counts);
   // Row numbers moved between a text's own and the batch's: values [B, W] contiguous, int32 or int64; starts int64
   // [B]. out (values' dtype and shape, contiguous; may be values itself) = values + sign * starts[b] where values >=
   // 0, else -1. One pass: ATen's integer subtraction through the stable ABI is four kernels (it goes by float64).

@@ -228,6 +228,9 @@ void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string
       if (naming == EntryName::kLandmarks) {
         ::lmk_ops::fail(expected, ", got ", data[i], " in row ", r, " (landmarks[", r, ", ", c, "])");
       }
+      if (naming == EntryName::kRow) {
+        ::lmk_ops::fail(expected, ", got ", data[i], " in row ", i);
+      }
       if (values.dim() == 1) {
         ::lmk_ops::fail(expected, ", got ", data[i], " at [", i, "]");
       }
@@ -264,22 +267,37 @@ void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_h
 }
 
 void find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t batch, int64_t seq_len,
-               bool last, Tensor& found, Tensor& positions) {
+               bool last, Tensor& found, Tensor& positions, Tensor& counts) {
   const bool* v = valid.defined() ? valid.const_data_ptr<bool>() : nullptr;
   const int64_t* s = starts.defined() ? starts.const_data_ptr<int64_t>() : nullptr;
   const int64_t* n = lengths.defined() ? lengths.const_data_ptr<int64_t>() : nullptr;
-  int64_t* row_out = found.mutable_data_ptr<int64_t>();
+  const int64_t width = positions.size(1);
+  int64_t* row_out = found.defined() ? found.mutable_data_ptr<int64_t>() : nullptr;
   int64_t* position_out = positions.mutable_data_ptr<int64_t>();
-  for (int64_t b = 0; b < batch; ++b) {  // stops at the first hit: the usual text starts (ends) with a valid token
+  int64_t* count_out = counts.defined() ? counts.mutable_data_ptr<int64_t>() : nullptr;
+  for (int64_t b = 0; b < batch; ++b) {
     const int64_t start = s != nullptr ? s[b] : b * seq_len, length = n != nullptr ? n[b] : seq_len;
-    row_out[b] = position_out[b] = -1;
-    for (int64_t i = 0; i < length; ++i) {
+    int64_t seen = 0;
+    for (int64_t i = 0; i < length && (count_out != nullptr || seen < width); ++i) {
       const int64_t position = last ? length - 1 - i : i;
       if (v == nullptr || v[start + position]) {
-        row_out[b] = start + position;
-        position_out[b] = position;
-        break;
+        if (seen < width) {
+          position_out[b * width + seen] = position;
+          if (row_out != nullptr) {
+            row_out[b * width + seen] = start + position;
+          }
+        }
+        ++seen;
       }
+    }
+    for (int64_t k = std::min(seen, width); k < width; ++k) {
+      position_out[b * width + k] = -1;
+      if (row_out != nullptr) {
+        row_out[b * width + k] = -1;
+      }
+    }
+    if (count_out != nullptr) {
+      count_out[b] = seen;
     }
   }
 }

@@ -14,7 +14,7 @@ void mean_backward(const Tensor& scaled, const RowSelection& rows, Tensor& grad_
 void gather_forward(const Tensor& hidden, const Tensor& positions, Tensor& out);
 void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_hidden);
 void find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t batch, int64_t seq_len,
-               bool last, Tensor& found, Tensor& positions);
+               bool last, Tensor& found, Tensor& positions, Tensor& counts);
 void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, Tensor& out);
 
 }  // namespace lmk_ops::cpu

@@ -201,6 +201,9 @@ __global__ void find_out_of_range(const int64_t* values, int64_t numel, int64_t 
 __device__ void report_entry(const int64_t* values, int64_t i, int64_t cols, const RangeMessage& message) {
   if (message.naming == EntryName::kNone) {
     printf("%s, got %lld\n", message.expected, static_cast<long long>(values[i]));
+  } else if (message.naming == EntryName::kRow) {
+    printf("%s, got %lld in row %lld\n", message.expected, static_cast<long long>(values[i]),
+           static_cast<long long>(i));
   } else if (message.naming == EntryName::kLandmarks) {
     printf("%s, got %lld in row %lld (landmarks[%lld, %lld])\n", message.expected,
            static_cast<long long>(values[i]), static_cast<long long>(i / cols), static_cast<long long>(i / cols),
@@ -444,27 +447,38 @@ std::pair<Tensor, Tensor> invert_positions(const Tensor& positions, int64_t seq_
   return {times, first};
 }
 
-// A warp per text: 32 of its rows at a time, from its start (its end for last), until a valid one.
+// A warp per text: 32 of its rows at a time, from its start (its end for last); a valid row's rank among the text's
+// is the valid rows before it (the ballot's lower lanes and the earlier rounds). Stops after the width-th valid row
+// unless counts are asked for.
 __global__ void __launch_bounds__(kThreads)
     find_rows_kernel(const bool* valid, const int64_t* starts, const int64_t* lengths, int64_t batch, int64_t seq_len,
-                     bool last, int64_t* found, int64_t* positions) {
+                     bool last, int64_t width, int64_t* found, int64_t* positions, int64_t* counts) {
   const int lane = threadIdx.x % 32;
   for_each_warp_row(batch, [&](int64_t b) {
     const int64_t start = starts != nullptr ? starts[b] : b * seq_len;
     const int64_t length = lengths != nullptr ? lengths[b] : seq_len;
-    int64_t position = -1;
-    for (int64_t base = 0; base < length; base += 32) {
+    int64_t seen = 0;
+    for (int64_t base = 0; base < length && (counts != nullptr || seen < width); base += 32) {
       const int64_t i = base + lane, at = last ? length - 1 - i : i;
-      const unsigned hits = __ballot_sync(0xffffffffu, i < length && (valid == nullptr || valid[start + at]));
-      if (hits != 0) {
-        const int64_t first = base + __ffs(static_cast<int>(hits)) - 1;
-        position = last ? length - 1 - first : first;
-        break;
+      const bool hit = i < length && (valid == nullptr || valid[start + at]);
+      const unsigned hits = __ballot_sync(0xffffffffu, hit);
+      const int64_t rank = seen + __popc(hits & ((1u << lane) - 1u));
+      if (hit && rank < width) {
+        positions[b * width + rank] = at;
+        if (found != nullptr) {
+          found[b * width + rank] = start + at;
+        }
+      }
+      seen += __popc(hits);
+    }
+    for (int64_t k = std::min(seen, width) + lane; k < width; k += 32) {
+      positions[b * width + k] = -1;
+      if (found != nullptr) {
+        found[b * width + k] = -1;
       }
     }
-    if (lane == 0) {
-      found[b] = position >= 0 ? start + position : -1;
-      positions[b] = position;
+    if (lane == 0 && counts != nullptr) {
+      counts[b] = seen;
     }
   });
 }
@@ -636,16 +650,17 @@ void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_h
 }
 
 void find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t batch, int64_t seq_len,
-               bool last, Tensor& found, Tensor& positions) {
-  const auto guard = on_device_of(found);
+               bool last, Tensor& found, Tensor& positions, Tensor& counts) {
+  const auto guard = on_device_of(positions);
   if (batch == 0) {
     return;
   }
   find_rows_kernel<<<grid_for(batch, kWarpsPerBlock), kThreads, 0, stream()>>>(
       valid.defined() ? valid.const_data_ptr<bool>() : nullptr,
       starts.defined() ? starts.const_data_ptr<int64_t>() : nullptr,
-      lengths.defined() ? lengths.const_data_ptr<int64_t>() : nullptr, batch, seq_len, last,
-      found.mutable_data_ptr<int64_t>(), positions.mutable_data_ptr<int64_t>());
+      lengths.defined() ? lengths.const_data_ptr<int64_t>() : nullptr, batch, seq_len, last, positions.size(1),
+      found.defined() ? found.mutable_data_ptr<int64_t>() : nullptr, positions.mutable_data_ptr<int64_t>(),
+      counts.defined() ? counts.mutable_data_ptr<int64_t>() : nullptr);
   check_launch();
 }
 

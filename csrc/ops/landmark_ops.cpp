@@ -1,5 +1,7 @@
 // The landmark ops, for every device: landmark_mean (LMK pooling) and landmark_gather (one vector per
-// landmark), with their backward ops.
+// landmark), with their backward ops, and landmark_positions (a landmark mask as positions).
+#include <exception>
+#include <string>
 #include <tuple>
 
 #include "common/checks.h"
@@ -99,7 +101,59 @@ Tensor landmark_gather_backward(const Tensor& grad, const Tensor& positions, int
   return packed.has_value() ? torch::stable::view(grad_hidden, {seq_len, grad.size(2)}) : grad_hidden;
 }
 
+// The positions of each text's true entries of a bool landmark mask ([B, L], or [T] with cu_seqlens), in order,
+// int64 [B, K] padded with -1, and each text's count of them [B]; a text with more than K is refused (on CUDA by a
+// device-side assertion, without synchronising). Without K, only the counts (positions [B, 0]). One pass of
+// find_rows on every device.
+std::tuple<Tensor, Tensor> landmark_positions(const Tensor& mask, std::optional<int64_t> width,
+                                              const std::optional<Tensor>& cu_seqlens, std::string op) {
+  const char* name = op.c_str();
+  const int64_t mask_dims = cu_seqlens.has_value() ? 1 : 2;
+  LMK_CHECK(
+      mask.scalar_type() == ScalarType::Bool && mask.dim() == mask_dims, "lmk_ops.", name,
+      ": expected a bool landmark mask of shape ", mask_dims == 1 ? "[T]" : "[B, L]", ", got ", mask.scalar_type(),
+      " of shape ", shape_str(mask.sizes()));
+  const int64_t num_landmarks = width.value_or(0);
+  LMK_CHECK(num_landmarks >= 0, "lmk_ops.", name, ": expected num_landmarks as an int in [0, 2**63) (or None), got ",
+            num_landmarks);
+  Tensor starts, lengths;
+  int64_t batch = 0, seq_len = 0;
+  if (cu_seqlens.has_value()) {
+    const PackedBatch packed = prepare_packed(name, mask.size(0), mask, *cu_seqlens, std::nullopt, Values::kCheck,
+                                              "the landmark mask's entries");
+    starts = packed.starts;
+    lengths = packed.lengths;
+    batch = packed.batch;
+  } else {
+    batch = mask.size(0);
+    seq_len = mask.size(1);
+  }
+  int64_t entries = 0;
+  Tensor positions;
+  try {
+    LMK_CHECK(!__builtin_mul_overflow(batch, num_landmarks, &entries), batch, " x ", num_landmarks,
+              " entries: more than an int64 counts");
+    positions = empty_on(mask, {batch, num_landmarks}, ScalarType::Long);
+  } catch (const std::exception& error) {  // a K far beyond any text's length: say so, not only the allocator
+    const std::string why = failure_reason(error);
+    fail("lmk_ops.", name, ": expected num_landmarks whose int64 positions [", batch,
+         ", K] fit in memory, got num_landmarks = ", num_landmarks, " (", why.substr(0, why.find('\n')), ")");
+  }
+  Tensor counts = empty_on(mask, {batch}, ScalarType::Long);
+  Tensor no_rows;
+  kernels_for(mask).find_rows(as_contiguous(mask), starts, lengths, batch, seq_len, /*last=*/false, no_rows,
+                              positions, counts);
+  if (width.has_value() && batch > 0) {
+    kernels_for(mask).check_range(counts, 0, num_landmarks,
+                                  "lmk_ops." + op + ": expected at most num_landmarks = " +
+                                      std::to_string(num_landmarks) + " landmarks per row",
+                                  EntryName::kRow);
+  }
+  return {positions, counts};
+}
+
 void register_landmark_ops(torch::stable::detail::StableLibrary& m) {
+  LMK_OPS_IMPL(m, "landmark_positions", landmark_positions);
   LMK_OPS_IMPL(m, "landmark_mean", landmark_mean);
   LMK_OPS_IMPL(m, "landmark_mean_backward", landmark_mean_backward);
   LMK_OPS_IMPL(m, "landmark_gather", landmark_gather);

@@ -19,7 +19,8 @@ std::tuple<Tensor, Tensor> find_rows(const Tensor& like, const Tensor& valid, co
                                      const Tensor& lengths, int64_t batch, int64_t seq_len, bool last) {
   Tensor found = empty_on(like, {batch, 1}, ScalarType::Long);
   Tensor positions = empty_on(like, {batch, 1}, ScalarType::Long);
-  kernels_for(like).find_rows(valid, starts, lengths, batch, seq_len, last, found, positions);
+  Tensor no_counts;
+  kernels_for(like).find_rows(valid, starts, lengths, batch, seq_len, last, found, positions, no_counts);
   return {found, positions};
 }
 

@@ -148,6 +148,19 @@ def _token_pool_fake(hidden, mask=None, last=False, cu_seqlens=None, max_seqlen=
     return _pooled(hidden, batch), hidden.new_empty((batch, 1), dtype=torch.int64)
 
 
+@torch.library.register_fake("lmk_ops::landmark_positions")
+def _landmark_positions_fake(landmark_mask, num_landmarks, cu_seqlens, op):
+    packed = cu_seqlens is not None
+    if landmark_mask.dtype != torch.bool or landmark_mask.dim() != (1 if packed else 2):
+        fail(op, f"expected a bool landmark mask of shape {'[T]' if packed else '[B, L]'}, got "
+                 f"{dtype_name(landmark_mask.dtype)} of shape {list(landmark_mask.shape)}")
+    if packed:
+        check_offsets(op, cu_seqlens, landmark_mask, "the landmark mask")
+    batch = cu_seqlens.shape[0] - 1 if packed else landmark_mask.shape[0]
+    return (landmark_mask.new_empty((batch, num_landmarks or 0), dtype=torch.int64),
+            landmark_mask.new_empty((batch,), dtype=torch.int64))
+
+
 @torch.library.register_fake("lmk_ops::packed_offsets")
 def _packed_offsets_fake(cu_seqlens, tokens, max_seqlen, op):
     check_offsets(op, cu_seqlens, cu_seqlens)

@@ -39,6 +39,10 @@ SCHEMAS = [
     # for a text with none); the backward is landmark_gather_backward at those positions.
     "token_pool(Tensor hidden, Tensor? mask=None, bool last=False, Tensor? cu_seqlens=None, "
     "SymInt? max_seqlen=None) -> (Tensor, Tensor)",
+    # The positions of a bool landmark mask's true entries ([B, L], or [T] with cu_seqlens, counted from each text's
+    # start), in order: int64 [B, num_landmarks] padded with -1, and each text's count [B]; a text with more than
+    # num_landmarks is refused. With num_landmarks None, only the counts (positions [B, 0]). Errors name `op`.
+    "landmark_positions(Tensor landmark_mask, SymInt? num_landmarks, Tensor? cu_seqlens, str op) -> (Tensor, Tensor)",
     # A [B, L] (or packed [T]) attention mask as a fresh bool tensor, its values checked as the pooling ops check them
     # (0/1 for an integer mask), with errors naming `op`: the helpers written in Python (first_token_pool,
     # last_token_pool) call it so that a bad value fails the same way eagerly and inside a compiled graph.

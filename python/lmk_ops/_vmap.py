@@ -19,6 +19,7 @@ _FOLDABLE = {
     "landmark_mean": ((0, 1), 3),
     "landmark_gather": ((0, 1), 2),
     "token_pool": ((0, 1), 3),
+    "landmark_positions": ((0,), 2),
     "attention_pool": ((0, 1), 5),  # the query (2) is the same for every text
 }
 

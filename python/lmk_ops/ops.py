@@ -148,21 +148,13 @@ def _checked_call(name: str, op, args: tuple, **others):
     raise RuntimeError(f"lmk_ops.{name}: {problem}")
 
 
-def _packed_texts(cu_seqlens: Tensor, tokens: int, op: str):
-    """(offsets [B + 1], text of each row [T]) of a packed batch, int64, with no device sync; the offsets checked
-    first, as the ops check them (errors naming op)."""
-    offsets = torch.ops.lmk_ops.packed_offsets(cu_seqlens, tokens, None, op)
-    text = torch.arange(offsets.shape[0] - 1, device=offsets.device).repeat_interleave(
-        offsets[1:] - offsets[:-1], output_size=tokens)
-    return offsets, text
-
-
 def landmark_positions(landmark_mask: Tensor, num_landmarks: int | None = None, *,
                        cu_seqlens: Tensor | None = None) -> Tensor:
     """The positions of the True entries of a bool ``[B, L]`` mask, in order, as int64 ``[B, K]`` padded with -1.
 
-    ``K`` is ``num_landmarks`` when given (a row with more landmarks is an error, checked where the values can be
-    read: not inside a compiled graph, where the extra landmarks are dropped), else the largest count in the batch.
+    ``K`` is ``num_landmarks`` when given (a row with more landmarks is an error, eagerly and inside a compiled
+    graph; on CUDA a device-side assertion, as for the ops' other value checks), else the largest count in the
+    batch. One op (one pass over the mask) on every device.
     With ``num_landmarks`` given this traces under ``torch.compile(fullgraph=True)`` and runs on meta tensors;
     without it the output shape depends on the data, which needs the values: ``torch.compile`` then breaks the
     graph to count them (``fullgraph=True`` refuses, saying to pass ``num_landmarks``).
@@ -182,54 +174,23 @@ def _positions(op: str, landmark_mask: Tensor, num_landmarks: int | None, cu_seq
         if not is_integer(num_landmarks) or num_landmarks < 0:
             fail(op, f"expected num_landmarks as an int in [0, 2**63) (or None), got {num_landmarks!r}")
         num_landmarks = int(num_landmarks)  # a NumPy integer too
-    device = landmark_mask.device
     if cu_seqlens is not None:
         check_offsets(op, cu_seqlens, landmark_mask, "the landmark mask")
-        # Each token's text and its rank among the text's landmarks, from one running count.
-        offsets, text = _packed_texts(cu_seqlens, landmark_mask.shape[0], op)
-        starts = offsets[:-1]
-        before = torch.cat([landmark_mask.new_zeros(1, dtype=torch.long), landmark_mask.long().cumsum(0)])
-        counts = before[offsets[1:]] - before[starts]
-        rank = before[:-1] - before[starts][text]
-        offset = torch.arange(landmark_mask.shape[0], device=device) - starts[text]
-        batch = starts.shape[0]
-    else:
-        batch, seq_len = landmark_mask.shape
-        counts = landmark_mask.sum(1)
-        rank = landmark_mask.cumsum(1) - 1
-        text = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq_len)
-        offset = torch.arange(seq_len, device=device).expand(batch, seq_len)
     dynamo = torch.compiler.is_dynamo_compiling()
-    if num_landmarks is None and dynamo:
-        # K depends on the mask's values: under torch.compile the graph ends here and the count below is read
-        # outside it, as in eager; with fullgraph=True compilation stops here, with this message.
-        torch._dynamo.graph_break(msg=f"lmk_ops.{op}: the width K of the positions depends on the landmark mask's "
-                                      "values; pass num_landmarks to keep the call in one graph")
-    known = values_known(landmark_mask)
-    if num_landmarks is None or known:
-        if not (known or dynamo):
+    if num_landmarks is None:
+        if dynamo:
+            # K depends on the mask's values: under torch.compile the graph ends here and the count below is read
+            # outside it, as in eager; with fullgraph=True compilation stops here, with this message.
+            torch._dynamo.graph_break(msg=f"lmk_ops.{op}: the width K of the positions depends on the landmark "
+                                          "mask's values; pass num_landmarks to keep the call in one graph")
+        if not (values_known(landmark_mask) or dynamo):
             fail(op, "expected num_landmarks where the mask's values cannot be read (meta or fake tensors, "
                      "torch.compile, torch.vmap): the output's width K depends on them")
-        most = int(counts.max()) if batch else 0
-        if num_landmarks is None:
-            num_landmarks = most
-        elif most > num_landmarks:
-            fail(op, f"expected at most num_landmarks = {num_landmarks} landmarks per row, got {most} in row "
-                     f"{int(counts.argmax())}")
-    # Each landmark goes to (its text, its rank); other tokens, and landmarks past K, to a spare last column,
-    # dropped after.
-    column = torch.where(landmark_mask & (rank < num_landmarks), rank, num_landmarks)
-    size = batch * (num_landmarks + 1)
-    try:
-        if isinstance(size, int) and size > torch.iinfo(torch.long).max:
-            raise RuntimeError(f"{size} elements: more than an int64 counts")
-        positions = torch.full((size,), -1, dtype=torch.long, device=device)
-    except RuntimeError as error:  # a K far beyond any text's length: say so rather than only the allocator's words
-        fail(op, f"expected num_landmarks whose int64 positions [{batch}, K] fit in memory, got num_landmarks = "
-                 f"{num_landmarks} ({str(error).splitlines()[0]})")
-    positions = positions.scatter(  # out of place: torch.vmap batches it
-        0, (text * (num_landmarks + 1) + column).flatten(), offset.flatten())
-    return positions.view(batch, num_landmarks + 1)[:, :num_landmarks].clone()
+        counts = torch.ops.lmk_ops.landmark_positions(landmark_mask, None, cu_seqlens, op)[1]
+        num_landmarks = int(counts.max()) if counts.numel() else 0
+    # One op on every device: a text with more than num_landmarks landmarks is refused there (on CUDA by a
+    # device-side assertion, without synchronising), inside a compiled graph too.
+    return torch.ops.lmk_ops.landmark_positions(landmark_mask, num_landmarks, cu_seqlens, op)[0]
 
 
 def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | None = None,

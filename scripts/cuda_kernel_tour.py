@@ -2,8 +2,8 @@
 compute-sanitizer (memcheck, racecheck, synccheck, initcheck) watches in scripts/gpu_check.sh. Small on purpose (a
 sanitizer slows kernels 10-100x), but it covers each path: one chunk and several (L > 128), row listing by several
 blocks (L > 4096) with unaligned mask rows, 16-byte packs and the strided path, small, wide and very wide attention
-heads, attention's second passes (forward and backward) over rows near float32's maximum, the value checks, and
-the four dtypes."""
+heads, attention's second passes (forward and backward) over rows near float32's maximum, the value checks, packed
+batches, and the four dtypes."""
 
 from __future__ import annotations
 
@@ -38,13 +38,32 @@ def tour(dtype, batch, seq_len, dim, layout="contiguous"):
     for landmarks in (mask, positions):
         run(lambda h: lmk_ops.landmark_mean(h, landmarks), hidden)
     run(lambda h: lmk_ops.landmark_gather(h, positions), hidden)
+    run(lambda h: lmk_ops.landmark_gather(h, mask), hidden)  # the mask's positions: a counting pass, then them
     for heads in {1, 4, dim // 8} if dim % 8 == 0 else {1}:
         query = (torch.randn(heads, dim // heads, device="cuda") * 0.1).requires_grad_()
         run(lambda h, q: lmk_ops.attention_pool(h, mask, q, return_weights=True), hidden, query)
         run(lambda h, q: lmk_ops.attention_pool(h, None, q), hidden, query)
 
 
+def packed_tour(dtype, lengths, dim):
+    """The packed layout's paths: texts as runs of rows (empty ones too), their backward kernels by text of row."""
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    hidden = torch.randn(sum(lengths), dim, device="cuda", dtype=dtype)
+    mask = torch.rand(sum(lengths), device="cuda") < 0.7
+    kw = {"cu_seqlens": cu_seqlens, "max_seqlen": max(lengths)}
+    for m in (None, mask):
+        run(lambda h: lmk_ops.mean_pool(h, m, **kw), hidden)
+        run(lambda h: lmk_ops.max_pool(h, m, **kw), hidden)
+        run(lambda h: lmk_ops.first_token_pool(h, m, **kw), hidden)
+        run(lambda h: lmk_ops.last_token_pool(h, m, **kw), hidden)
+    run(lambda h: lmk_ops.landmark_mean(h, mask, **kw), hidden)
+    run(lambda h: lmk_ops.landmark_gather(h, mask, **kw), hidden)
+    query = (torch.randn(4, dim // 4, device="cuda") * 0.1).requires_grad_()
+    run(lambda h, q: lmk_ops.attention_pool(h, mask, q, **kw), hidden, query)
+
+
 for dtype in DTYPES:
+    packed_tour(dtype, [0, 5, 300, 1, 0, 40], 64)
     tour(dtype, 3, 300, 64)
     tour(dtype, 2, 70, 33, layout="strided")
 tour(torch.bfloat16, 2, 4200, 24)  # listing by several blocks, mask rows not 16-byte aligned

@@ -60,6 +60,12 @@ struct Kernels {
   void (*mean_forward)(const Tensor& hidden, const RowSelection& rows, Tensor& out);
   // As mean_forward with out in hidden's dtype, plus argmax [B, D] contiguous int32 (-1 for a text with no row).
   void (*max_forward)(const Tensor& hidden, const RowSelection& rows, Tensor& out, Tensor& argmax);
+  // The operand of the mean's backward: scaled [B, D] (contiguous, float32 or float64) = grad [B, D] (any strides, a
+  // float dtype) / max(n_b, 1), in scaled's type with n_b rounded to it, where n_b is how many rows text b selects:
+  // counts[b] (int64 [B]) where counts is defined, else row b's true entries of mask (bool [B, L]), else row b's
+  // entries >= 0 of positions (int64 [B, K]), else seq_len (contiguous tensors).
+  void (*grad_over_counts)(const Tensor& grad, const Tensor& counts, const Tensor& mask, const Tensor& positions,
+                           int64_t seq_len, Tensor& scaled);
   // scaled [B, D] contiguous in the accumulation type of grad_hidden's dtype (the gradient divided by each text's
   // row count); grad_hidden [B, L, D] contiguous, every row written: scaled[b] times how often the row is selected.
   // For runs (rows.offsets defined: a packed batch of T rows), grad_hidden is [1, T, D], each row takes its own

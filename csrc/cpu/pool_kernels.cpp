@@ -563,7 +563,8 @@ void max_backward(const Tensor& grad, const Tensor& argmax, const Tensor& offset
 
 const Kernels& kernels() {
   // The row-copying and bookkeeping kernels (cpu/rows.cpp) gain nothing from wider vectors and are compiled once.
-  static const Kernels k{cpu::check_range,    &mean_forward,        &max_forward,       cpu::mean_backward,
+  static const Kernels k{cpu::check_range,    &mean_forward,        &max_forward,       cpu::grad_over_counts,
+                         cpu::mean_backward,
                          &max_backward,       cpu::gather_forward, cpu::gather_backward, &attention_forward,
                          &attention_backward, cpu::find_rows,     cpu::shift_rows};
   return k;

@@ -239,6 +239,42 @@ void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string
   }
 }
 
+void grad_over_counts(const Tensor& grad, const Tensor& counts, const Tensor& mask, const Tensor& positions,
+                      int64_t seq_len, Tensor& scaled) {
+  const int64_t batch = grad.size(0), dim = grad.size(1);
+  const int64_t* given = counts.defined() ? counts.const_data_ptr<int64_t>() : nullptr;
+  const bool* m = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
+  const int64_t* p = positions.defined() ? positions.const_data_ptr<int64_t>() : nullptr;
+  const int64_t listed = p != nullptr ? positions.size(1) : 0;
+  // Strides read once: each read is a call into libtorch (the stable ABI), too slow for the inner loop.
+  const int64_t stride_b = grad.stride(0), stride_d = grad.stride(1);
+  LMK_DISPATCH_FLOATING(grad.scalar_type(), "mean_pool_backward", [&] {
+    const scalar_t* g = grad.const_data_ptr<scalar_t>();
+    const auto fill = [&](auto* out) {
+      using out_t = std::remove_pointer_t<decltype(out)>;
+      for (int64_t b = 0; b < batch; ++b) {
+        int64_t count = seq_len;
+        if (given != nullptr) {
+          count = given[b];
+        } else if (m != nullptr) {
+          count = std::count(m + b * seq_len, m + (b + 1) * seq_len, true);
+        } else if (p != nullptr) {
+          count = std::count_if(p + b * listed, p + (b + 1) * listed, [](int64_t l) { return l >= 0; });
+        }
+        const auto divisor = static_cast<out_t>(std::max<int64_t>(count, 1));
+        for (int64_t d = 0; d < dim; ++d) {
+          out[b * dim + d] = static_cast<out_t>(g[b * stride_b + d * stride_d]) / divisor;
+        }
+      }
+    };
+    if (scaled.scalar_type() == torch::headeronly::ScalarType::Double) {
+      fill(scaled.mutable_data_ptr<double>());
+    } else {
+      fill(scaled.mutable_data_ptr<float>());
+    }
+  });
+}
+
 void mean_backward(const Tensor& scaled, const RowSelection& rows, Tensor& grad_hidden) {
   const int64_t* offsets = rows.offsets.defined() ? rows.offsets.const_data_ptr<int64_t>() : nullptr;
   LMK_DISPATCH_FLOATING(grad_hidden.scalar_type(), "mean_backward", [&] {

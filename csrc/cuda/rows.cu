@@ -295,6 +295,50 @@ __device__ __forceinline__ int64_t text_of_row(const int64_t* offsets, int64_t t
   return lo;
 }
 
+// The sum of value over the block (every thread must call it; the result is the block's total in every thread).
+__device__ int64_t block_sum(int64_t value) {
+  __shared__ int64_t warp_sums[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  for (int offset = 16; offset > 0; offset /= 2) {
+    value += __shfl_down_sync(0xffffffffu, value, offset);
+  }
+  if (lane == 0) {
+    warp_sums[warp] = value;
+  }
+  __syncthreads();
+  int64_t total = 0;
+  for (int w = 0; w < warps; ++w) {
+    total += warp_sums[w];
+  }
+  __syncthreads();  // warp_sums may be written again by a later call
+  return total;
+}
+
+// A block per text: its count of selected rows (given, or summed from its mask row or its positions), then its
+// gradient row divided by it (grad_over_counts).
+template <typename scalar_t, typename acc>
+__global__ void __launch_bounds__(kThreads)
+    grad_over_counts_kernel(const scalar_t* grad, int64_t stride_b, int64_t stride_d, const int64_t* counts,
+                            const bool* mask, const int64_t* positions, int64_t listed, int64_t seq_len, int64_t dim,
+                            acc* scaled) {
+  const int64_t b = blockIdx.x;
+  int64_t count = seq_len;
+  if (counts != nullptr) {
+    count = counts[b];
+  } else if (mask != nullptr || positions != nullptr) {
+    int64_t mine = 0;
+    const int64_t width = mask != nullptr ? seq_len : listed;
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+      mine += mask != nullptr ? mask[b * seq_len + i] : positions[b * listed + i] >= 0;
+    }
+    count = block_sum(mine);
+  }
+  const acc divisor = static_cast<acc>(count > 1 ? count : int64_t{1});
+  for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
+    scaled[b * dim + d] = static_cast<acc>(grad[b * stride_b + d * stride_d]) / divisor;
+  }
+}
+
 // grad_hidden[b, l] = scaled[b] * times(b, l), rounded once; zeros for an unselected row. With offsets (a packed
 // batch: batch 1, seq_len T), row t takes its own text's scaled row.
 template <typename scalar_t, int VEC>
@@ -577,6 +621,32 @@ void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string
   report_out_of_range<<<1, 1, 0, stream()>>>(values.const_data_ptr<int64_t>(), numel, values.size(-1), first_data,
                                              message);
   check_launch();
+}
+
+void grad_over_counts(const Tensor& grad, const Tensor& counts, const Tensor& mask, const Tensor& positions,
+                      int64_t seq_len, Tensor& scaled) {
+  const auto guard = on_device_of(scaled);
+  const int64_t batch = grad.size(0), dim = grad.size(1);
+  if (batch == 0) {
+    return;
+  }
+  LMK_DISPATCH_FLOATING(grad.scalar_type(), "mean_pool_backward", [&] {
+    const auto launch = [&](auto* out) {
+      using acc = std::remove_pointer_t<decltype(out)>;
+      grad_over_counts_kernel<scalar_t, acc><<<batch, kThreads, 0, stream()>>>(
+          grad.const_data_ptr<scalar_t>(), grad.stride(0), grad.stride(1),
+          counts.defined() ? counts.const_data_ptr<int64_t>() : nullptr,
+          mask.defined() ? mask.const_data_ptr<bool>() : nullptr,
+          positions.defined() ? positions.const_data_ptr<int64_t>() : nullptr,
+          positions.defined() ? positions.size(1) : 0, seq_len, dim, out);
+      check_launch();
+    };
+    if (scaled.scalar_type() == ScalarType::Double) {
+      launch(scaled.mutable_data_ptr<double>());
+    } else {
+      launch(scaled.mutable_data_ptr<float>());
+    }
+  });
 }
 
 void mean_backward(const Tensor& scaled, const RowSelection& rows, Tensor& grad_hidden) {

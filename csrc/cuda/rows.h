@@ -15,6 +15,8 @@ struct RangeMessage {
 };
 
 void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, EntryName naming);
+void grad_over_counts(const Tensor& grad, const Tensor& counts, const Tensor& mask, const Tensor& positions,
+                      int64_t seq_len, Tensor& scaled);
 void mean_backward(const Tensor& scaled, const RowSelection& rows, Tensor& grad_hidden);
 void max_backward(const Tensor& grad, const Tensor& argmax, const Tensor& offsets, Tensor& grad_hidden);
 void gather_forward(const Tensor& hidden, const Tensor& positions, Tensor& out);

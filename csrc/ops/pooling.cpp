@@ -102,53 +102,14 @@ std::tuple<Tensor, Tensor> mean_of_rows(const Tensor& hidden, const RowSelection
 namespace {
 
 // grad [B, D] / (the number of rows each text selects, at least 1), as a contiguous tensor of type acc (float32 or
-// float64): the operand of the mean's backward kernel.
-Tensor grad_over_counts(const Tensor& grad, const RowSelection& rows, int64_t seq_len, ScalarType acc) {
-  const int64_t batch = grad.size(0), dim = grad.size(1);
-  if (takes_host_path(grad)) {  // two loops, where the generic form below costs six operator calls
-    Tensor scaled = empty_on(grad, {batch, dim}, acc);
-    const bool* mask = rows.mask.defined() ? rows.mask.const_data_ptr<bool>() : nullptr;
-    const int64_t* positions = rows.positions.defined() ? rows.positions.const_data_ptr<int64_t>() : nullptr;
-    const int64_t listed = positions != nullptr ? rows.positions.size(1) : 0;
-    // Strides read once: each read is a call into libtorch (the stable ABI), too slow for the inner loop.
-    const int64_t stride_b = grad.stride(0), stride_d = grad.stride(1);
-    LMK_DISPATCH_FLOATING(grad.scalar_type(), "mean_pool_backward", [&] {
-      const scalar_t* g = grad.const_data_ptr<scalar_t>();
-      const auto fill = [&](auto* out) {
-        using out_t = std::remove_pointer_t<decltype(out)>;
-        for (int64_t b = 0; b < batch; ++b) {
-          int64_t count = seq_len;
-          if (mask != nullptr) {
-            count = std::count(mask + b * seq_len, mask + (b + 1) * seq_len, true);
-          } else if (positions != nullptr) {
-            count = std::count_if(positions + b * listed, positions + (b + 1) * listed,
-                                  [](int64_t l) { return l >= 0; });
-          }
-          // As the generic form: the count rounded to the accumulation type, one division.
-          const auto divisor = static_cast<out_t>(std::max<int64_t>(count, 1));
-          for (int64_t d = 0; d < dim; ++d) {
-            out[b * dim + d] = static_cast<out_t>(g[b * stride_b + d * stride_d]) / divisor;
-          }
-        }
-      };
-      if (acc == ScalarType::Double) {
-        fill(scaled.mutable_data_ptr<double>());
-      } else {
-        fill(scaled.mutable_data_ptr<float>());
-      }
-    });
-    return scaled;
-  }
-  Tensor counts;
-  const std::vector<int64_t> texts_dim{1};
-  if (rows.mask.defined()) {
-    counts = torch::stable::sum(rows.mask, texts_dim, /*keepdim=*/true);
-  } else if (rows.positions.defined()) {
-    counts = torch::stable::sum(ge(rows.positions, 0), texts_dim, /*keepdim=*/true);
-  } else {
-    counts = full_on(grad, {batch, 1}, static_cast<double>(seq_len), ScalarType::Long);
-  }
-  return as_contiguous(div(to_dtype(grad, acc), clamp_min(counts, 1)));
+// float64): the operand of the mean's backward kernel. counts: each text's count where known (packed batches), else
+// undefined (counted from the rows). One kernel on every device.
+Tensor grad_over_counts(const Tensor& grad, const Tensor& counts, const RowSelection& rows, int64_t seq_len,
+                        ScalarType acc) {
+  Tensor scaled = empty_on(grad, {grad.size(0), grad.size(1)}, acc);
+  kernels_for(grad).grad_over_counts(grad, counts.defined() ? as_contiguous(counts) : counts, rows.mask,
+                                     rows.positions, seq_len, scaled);
+  return scaled;
 }
 
 }  // namespace
@@ -162,7 +123,7 @@ Tensor mean_of_rows_backward(const Tensor& grad, const RowSelection& rows, int64
     return grad_hidden;
   }
   // grad / count once per text, in the accumulation type; the kernel multiplies by how often each row is selected.
-  const Tensor scaled = grad_over_counts(grad, rows, seq_len, acc_dtype(out_type));
+  const Tensor scaled = grad_over_counts(grad, Tensor(), rows, seq_len, acc_dtype(out_type));
   kernels_for(grad).mean_backward(scaled, rows, grad_hidden);
   return grad_hidden;
 }
@@ -172,8 +133,7 @@ Tensor packed_mean_backward(const Tensor& grad, const PackedBatch& packed, const
   const ScalarType out_type = dtype.value_or(grad.scalar_type());
   Tensor grad_hidden = empty_on(grad, {1, packed.tokens, grad.size(1)}, out_type);
   if (grad_hidden.numel() > 0) {
-    const Tensor scaled = as_contiguous(
-        div(to_dtype(grad, acc_dtype(out_type)), torch::stable::unsqueeze(clamp_min(count, 1), 1)));
+    const Tensor scaled = grad_over_counts(grad, count, RowSelection(), 0, acc_dtype(out_type));
     kernels_for(grad).mean_backward(scaled, rows, grad_hidden);
   }
   return torch::stable::view(grad_hidden, {packed.tokens, grad.size(1)});

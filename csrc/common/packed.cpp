@@ -73,7 +73,9 @@ Tensor PackedBatch::text_of_rows(const char* op) const {
 
 Tensor PackedBatch::absolute(const Tensor& positions) const {
   const Tensor values = as_contiguous(positions);
-  Tensor rows = empty_on(values, values.sizes(), values.scalar_type());
+  // A copy that as_contiguous made is shifted in place; the caller's positions are never written.
+  Tensor rows = values.data_ptr() == positions.data_ptr() ? empty_on(values, values.sizes(), values.scalar_type())
+                                                          : values;
   kernels_for(values).shift_rows(values, starts, 1, rows);
   return rows;
 }

@@ -12,12 +12,13 @@
 namespace lmk_ops::ops {
 namespace {
 
-// Each text's first (or last) valid row, as [B, 1] columns: its row, and its position from the text's start; -1 for
-// a text with none. The texts are runs of rows (starts, lengths), or a padded batch's texts of seq_len rows where
-// those are undefined; valid: bool over the rows (undefined: every row). One pass on every device.
+// Each text's first (or last) valid row, as [B, 1] columns: its row of the batch (packed batches only: undefined
+// for a padded one, whose gather reads positions), and its position from the text's start; -1 for a text with none.
+// The texts are runs of rows (starts, lengths), or a padded batch's texts of seq_len rows where those are undefined;
+// valid: bool over the rows (undefined: every row). One pass on every device.
 std::tuple<Tensor, Tensor> find_rows(const Tensor& like, const Tensor& valid, const Tensor& starts,
                                      const Tensor& lengths, int64_t batch, int64_t seq_len, bool last) {
-  Tensor found = empty_on(like, {batch, 1}, ScalarType::Long);
+  Tensor found = starts.defined() ? empty_on(like, {batch, 1}, ScalarType::Long) : Tensor();
   Tensor positions = empty_on(like, {batch, 1}, ScalarType::Long);
   Tensor no_counts;
   kernels_for(like).find_rows(valid, starts, lengths, batch, seq_len, last, found, positions, no_counts);

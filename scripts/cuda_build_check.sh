@@ -27,7 +27,8 @@ assert info["cuda"], f"lmk_ops was built without CUDA: {info}"
 assert info["version"].endswith("+cu130"), f"expected the CUDA wheel's version with the local label +cu130: {info}"
 pooling = ["mean_pool", "max_pool", "landmark_mean", "landmark_gather", "attention_pool"]
 ops = [f"{op}{suffix}" for op in pooling for suffix in ("", "_backward")]
-ops += ["token_pool", "landmark_positions", "valid_mask", "packed_offsets"]  # insert_landmarks runs on the host only (its CPU kernel)
+# insert_landmarks runs on the host only (its CPU kernel)
+ops += ["token_pool", "landmark_positions", "valid_mask", "packed_offsets"]
 missing = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(f"lmk_ops::{op}", "CUDA")]
 assert not missing, f"no CUDA kernel registered for: {missing}"
 print(f"cuda_build_check: lmk_ops {info['version']} built against torch {torch.__version__} "

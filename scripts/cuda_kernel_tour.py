@@ -78,5 +78,12 @@ for seq_len in (100, 300):
 # An integer mask past one block's check (rows.cu: kOneBlockCheck), checked by a grid.
 run(lambda h: lmk_ops.mean_pool(h, torch.ones(70, 1000, dtype=torch.long, device="cuda")),
     torch.randn(70, 1000, 8, device="cuda"))
+# Packed offsets past one block's conversion (rows.cu: packed_offsets over a grid): 70000 texts of two rows, their
+# offsets int64 and then strided int32, and positions checked against their texts' lengths.
+pairs = torch.randn(140000, 8, device="cuda")
+offsets = torch.arange(0, 140001, 2, device="cuda")
+run(lambda h: lmk_ops.landmark_mean(h, torch.ones(70000, 1, dtype=torch.long, device="cuda"), cu_seqlens=offsets),
+    pairs)
+run(lambda h: lmk_ops.mean_pool(h, cu_seqlens=torch.arange(140001, device="cuda", dtype=torch.int32)[::2]), pairs)
 torch.cuda.synchronize()
 print("cuda_kernel_tour: every kernel launched")

@@ -521,3 +521,32 @@ def test_token_pools_find_rows_behind_runs_of_padding_of_any_length(device, last
         got = fn(got_h, args[1].to(device), **{k: v.to(device) for k, v in kwargs.items()})
         (got_grad,) = torch.autograd.grad(got, got_h, torch.ones_like(got))
         assert torch.equal(got.cpu(), want.detach()) and torch.equal(got_grad.cpu(), want_grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["landmark_mean", "landmark_gather"])
+@pytest.mark.parametrize("positions,named", [
+    ([[0, 3], [1, -1]], r"got 3 in row 0 \(landmarks\[0, 1\]\)"),  # past text 0's 3 tokens (inside hidden's 7)
+    ([[0, -1], [4, 2]], r"got 4 in row 1 \(landmarks\[1, 0\]\)"),  # past text 1's 4 tokens
+    ([[0, -2], [1, 2]], r"got -2 in row 0 \(landmarks\[0, 1\]\)"),
+])
+def test_packed_positions_outside_their_text_are_refused(name, positions, named, device, request):
+    hidden, offsets = torch.randn(7, 4, device=device), torch.tensor([0, 3, 7], device=device)
+    landmarks = torch.tensor(positions, device=device)
+    expect_bad_value(device, rf"lmk_ops.{name}: expected landmark positions in \[0, length of their text\) \(counted "
+                             rf"from the text's start in cu_seqlens\) or -1 for none, {named}",
+                     lambda: getattr(lmk_ops, name)(hidden, landmarks, cu_seqlens=offsets), request)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_batch_of_more_offsets_than_one_block_checks(device, request):
+    # 70000 texts: on CUDA the offsets are converted and checked by a grid (rows.cu: packed_offsets), strided int32
+    # here; the last text's bad offset is still the one named.
+    hidden = torch.randn(140000, 8, dtype=torch.float64, device=device)
+    offsets = torch.arange(140001, device=device, dtype=torch.int32)[::2]
+    expected = hidden.view(70000, 2, 8).mean(1)
+    assert torch.allclose(lmk_ops.mean_pool(hidden, cu_seqlens=offsets), expected, rtol=1e-15, atol=0)
+    bad = offsets.clone()
+    bad[-2] = bad[-1] + 1
+    expect_bad_value(device, r"lmk_ops.mean_pool: expected non-decreasing cu_seqlens .*, got -1 at \[69999\](\n|$)",
+                     lambda: lmk_ops.mean_pool(hidden, cu_seqlens=bad), request)

@@ -243,12 +243,13 @@ def test_build_info():
 
 
 def test_cpu_tensors_take_the_paths_the_build_says():
-    """A release build does a packed batch's bookkeeping on the CPU in plain loops; a CPU-twin build
-    (LMK_OPS_CPU_TWIN, scripts/cpu_twin_check.sh) composes it from tensor operations as a CUDA build does, which
-    the profiler sees. The twin run of the suite checks CUDA's op-layer code only if this holds."""
+    """A release build does some bookkeeping on the CPU in plain loops (csrc/common/host_path.h: here the
+    normalisation); a CPU-twin build (LMK_OPS_CPU_TWIN, scripts/cpu_twin_check.sh) composes it from tensor
+    operations as a CUDA build does, which the profiler sees. The twin run of the suite checks CUDA's op-layer code
+    only if this holds."""
     hidden, offsets = torch.randn(10, 8), torch.tensor([0, 3, 10], dtype=torch.int32)
     with torch.no_grad(), torch.profiler.profile() as profiler:
-        lmk_ops.mean_pool(hidden, cu_seqlens=offsets, max_seqlen=7)
+        lmk_ops.mean_pool(hidden, cu_seqlens=offsets, max_seqlen=7, normalize=True)
     composed = {event.name for event in profiler.events() if event.name.startswith("aten::")}
     assert bool(composed) == lmk_ops.build_info()["cpu_twin"], composed
 

@@ -124,7 +124,7 @@ Tensor mask_as_bool(const char* op, const Tensor& m, Values values, const char* 
   // token ids passed by accident), so say so instead of treating it as "nonzero = valid".
   // The device's range check: raises on the CPU, a device-side assertion on CUDA (common/kernel_types.h).
   const auto check_values = [&](const Tensor& as_long) {
-    kernels_for(m).check_range(as_long, 0, 1, std::string("lmk_ops.") + op + ": expected " + name + " values 0 or 1",
+    kernels_for(m).check_range(as_long, 0, 1, Tensor(), std::string("lmk_ops.") + op + ": expected " + name + " values 0 or 1",
                                EntryName::kIndex);
   };
   if (takes_host_path(m)) {  // one pass that checks and converts, where the generic form costs several operator calls
@@ -170,7 +170,7 @@ Tensor prepare_positions(
     std::ostringstream expected;
     expected << "lmk_ops." << op << ": expected landmark positions in [0, L) = [0, " << seq_len
              << ") or -1 for none";
-    kernels_for(p).check_range(p, -1, seq_len - 1, expected.str(), EntryName::kLandmarks);
+    kernels_for(p).check_range(p, -1, seq_len - 1, Tensor(), expected.str(), EntryName::kLandmarks);
   }
   return p;
 }

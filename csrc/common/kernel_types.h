@@ -49,12 +49,28 @@ struct AttentionRows {
 // entry checked ("cu_seqlens[0]").
 enum class EntryName { kIndex, kLandmarks, kRow, kNone };
 
+// What a packed batch's offsets must hold (packed_offsets), in the order they are checked: cu_seqlens[0] = 0,
+// cu_seqlens[B] = tokens, every text's length cu_seqlens[b + 1] - cu_seqlens[b] >= 0 and at most longest.
+enum class OffsetCheck { kFirst, kLast, kOrder, kLongest };
+struct OffsetChecks {
+  const char* op;
+  const char* tokens_are;  // what T is, for the message of a wrong last offset
+  int64_t tokens;
+  int64_t longest;  // INT64_MAX: no bound
+
+  // "lmk_ops.<op>: expected ..." for a failed check (common/packed.cpp); ", got V" follows, and for the lengths'
+  // checks " at [b]".
+  std::string message(OffsetCheck check) const;
+};
+
 // The kernel table of one device (for the CPU, of one capability).
 struct Kernels {
-  // Checks that every value of int64 values [rows, cols] or [n] (contiguous) lies in [lo, hi]. Else "<expected>,
-  // got V" and the entry, named as `naming` says, for the first value outside: raised at once on the CPU, and on
-  // CUDA printed by a device-side assertion, without synchronising.
-  void (*check_range)(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, EntryName naming);
+  // Checks that every value of int64 values [rows, cols] or [n] (contiguous) lies in [lo, hi] and, where
+  // row_limits (int64 [rows], contiguous) is defined, below its row's limit. Else "<expected>, got V" and the
+  // entry, named as `naming` says, for the first value outside: raised at once on the CPU, and on CUDA printed by a
+  // device-side assertion, without synchronising.
+  void (*check_range)(const Tensor& values, int64_t lo, int64_t hi, const Tensor& row_limits,
+                      const std::string& expected, EntryName naming);
   // hidden [B, L, D] with any strides; out [B, D] contiguous, in hidden's dtype or in its accumulation type
   // (float32, float64 for float64), which keeps the mean unrounded for a normalisation that follows.
   void (*mean_forward)(const Tensor& hidden, const RowSelection& rows, Tensor& out);
@@ -62,10 +78,11 @@ struct Kernels {
   void (*max_forward)(const Tensor& hidden, const RowSelection& rows, Tensor& out, Tensor& argmax);
   // The operand of the mean's backward: scaled [B, D] (contiguous, float32 or float64) = grad [B, D] (any strides, a
   // float dtype) / max(n_b, 1), in scaled's type with n_b rounded to it, where n_b is how many rows text b selects:
-  // counts[b] (int64 [B]) where counts is defined, else row b's true entries of mask (bool [B, L]), else row b's
+  // counts[b] (int64 [B]) where counts is defined, else row b's true entries of mask (bool [B, L]; with offsets, a
+  // packed batch's int64 [B + 1], mask is [T] and text b's entries are [offsets[b], offsets[b + 1])), else row b's
   // entries >= 0 of positions (int64 [B, K]), else seq_len (contiguous tensors).
-  void (*grad_over_counts)(const Tensor& grad, const Tensor& counts, const Tensor& mask, const Tensor& positions,
-                           int64_t seq_len, Tensor& scaled);
+  void (*grad_over_counts)(const Tensor& grad, const Tensor& counts, const Tensor& mask, const Tensor& offsets,
+                           const Tensor& positions, int64_t seq_len, Tensor& scaled);
   // scaled [B, D] contiguous in the accumulation type of grad_hidden's dtype (the gradient divided by each text's
   // row count); grad_hidden [B, L, D] contiguous, every row written: scaled[b] times how often the row is selected.
   // For runs (rows.offsets defined: a packed batch of T rows), grad_hidden is [1, T, D], each row takes its own
@@ -107,6 +124,13 @@ struct Kernels {
   // [B]. out (values' dtype and shape, contiguous; may be values itself) = values + sign * starts[b] where values >=
   // 0, else -1. One pass: ATen's integer subtraction through the stable ABI is four kernels (it goes by float64).
   void (*shift_rows)(const Tensor& values, const Tensor& starts, int64_t sign, Tensor& out);
+  // A packed batch's cu_seqlens [B + 1] (int32 or int64, any stride) as int64 offsets [B + 1], starts [B]
+  // (offsets[b]) and lengths [B] (offsets[b + 1] - offsets[b]), all contiguous; B may be 0. With checks (else
+  // null), the first check that fails (OffsetChecks' order, then the lowest b) is "<its message>, got V": raised at
+  // once on the CPU, on CUDA printed by a device-side assertion, without synchronising. One pass, where the cast,
+  // the differences and a check_range per condition took some eight kernel launches on CUDA.
+  void (*packed_offsets)(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor& offsets, Tensor& starts,
+                         Tensor& lengths);
 };
 
 }  // namespace lmk_ops

@@ -1,13 +1,10 @@
 #include "common/packed.h"
 
-#include <algorithm>
 #include <limits>
 #include <string>
 
-#include "common/dispatch.h"
 #include "common/device_name.h"
 #include "common/error.h"
-#include "common/host_path.h"
 #include "ops/kernels.h"
 
 namespace lmk_ops {
@@ -17,44 +14,23 @@ std::string message(const char* op, const std::string& expected) {
   return std::string("lmk_ops.") + op + ": " + expected;
 }
 
-// The values of a packed batch's offsets: first 0, last T, non-decreasing, no text longer than max_seqlen; a
-// failure names the entry (check_range's message). On the CPU plain loops over the B + 1 offsets decide, and only a
-// bad batch goes on to check_range, which then raises (four kernel calls would cost more than a first_token_pool's
-// work); elsewhere check_range checks on the device, without synchronising.
-void check_offsets(const char* op, const PackedBatch& packed, const Tensor& like, const char* tokens_are) {
-  const int64_t longest = packed.max_seqlen.value_or(std::numeric_limits<int64_t>::max());
-  if (takes_host_path(packed.offsets)) {
-    const int64_t* o = packed.offsets.const_data_ptr<int64_t>();
-    const int64_t* n = packed.lengths.const_data_ptr<int64_t>();
-    const bool lengths_fit =
-        std::all_of(n, n + packed.batch, [&](int64_t length) { return length >= 0 && length <= longest; });
-    if (o[0] == 0 && o[packed.batch] == packed.tokens && lengths_fit) {
-      return;
-    }
-  }
-  const Kernels& k = kernels_for(like);
-  // One entry each, which the message names; the lengths [B] by their index, the text's.
-  const auto entry = [&](int64_t i) { return slice(packed.offsets, 0, i, 1); };
-  k.check_range(entry(0), 0, 0, message(op, "expected cu_seqlens[0] = 0"), EntryName::kNone);
-  k.check_range(entry(packed.batch), packed.tokens, packed.tokens,
-                message(op, "expected cu_seqlens[-1] = T = " + std::to_string(packed.tokens) + " (" + tokens_are + ")"),
-                EntryName::kNone);
-  if (packed.batch > 0) {
-    const Tensor& lengths = packed.lengths;
-    k.check_range(lengths, 0, std::numeric_limits<int64_t>::max(),
-                  message(op, "expected non-decreasing cu_seqlens (text b has cu_seqlens[b + 1] - cu_seqlens[b] >= 0 "
-                              "tokens; the value is that length, the index b)"),
-                  EntryName::kIndex);
-    if (packed.max_seqlen.has_value()) {
-      k.check_range(lengths, 0, longest,
-                    message(op, "expected every text at most max_seqlen = " + std::to_string(longest) +
-                                    " tokens long (the value is a text's length, the index its text's)"),
-                    EntryName::kIndex);
-    }
-  }
-}
-
 }  // namespace
+
+std::string OffsetChecks::message(OffsetCheck check) const {
+  switch (check) {
+    case OffsetCheck::kFirst:
+      return lmk_ops::message(op, "expected cu_seqlens[0] = 0");
+    case OffsetCheck::kLast:
+      return lmk_ops::message(op, "expected cu_seqlens[-1] = T = " + std::to_string(tokens) + " (" + tokens_are + ")");
+    case OffsetCheck::kOrder:
+      return lmk_ops::message(op, "expected non-decreasing cu_seqlens (text b has cu_seqlens[b + 1] - cu_seqlens[b] "
+                                  ">= 0 tokens; the value is that length, the index b)");
+    case OffsetCheck::kLongest:
+      break;
+  }
+  return lmk_ops::message(op, "expected every text at most max_seqlen = " + std::to_string(longest) +
+                                  " tokens long (the value is a text's length, the index its text's)");
+}
 
 Tensor sums_before(const Tensor& values) {
   Tensor before = zeros_on(values, {values.size(0) + 1}, ScalarType::Long);
@@ -89,10 +65,6 @@ RowSelection PackedBatch::selection(const Tensor& selected) const {
   return {selected, Tensor(), starts, lengths, offsets};
 }
 
-Tensor PackedBatch::count(const Tensor& selected) const {
-  return differences(index_select(sums_before(selected), 0, offsets));
-}
-
 PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, const Tensor& cu_seqlens,
                            std::optional<int64_t> max_seqlen, Values values, const char* tokens_are) {
   LMK_CHECK(
@@ -111,34 +83,14 @@ PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, c
   packed.batch = cu_seqlens.size(0) - 1;
   packed.tokens = tokens;
   packed.max_seqlen = max_seqlen;
-  if (takes_host_path(cu_seqlens)) {  // one loop: ATen ops would cost more than the work (a first_token_pool's share)
-    // starts is a tensor of its own rather than a view of offsets: a view costs as much as an allocation and the
-    // loop here together, a measurable share of a first_token_pool call.
-    packed.offsets = empty_on(cu_seqlens, {packed.batch + 1}, ScalarType::Long);
-    packed.starts = empty_on(cu_seqlens, {packed.batch}, ScalarType::Long);
-    packed.lengths = empty_on(cu_seqlens, {packed.batch}, ScalarType::Long);
-    int64_t* o = packed.offsets.mutable_data_ptr<int64_t>();
-    int64_t* s = packed.starts.mutable_data_ptr<int64_t>();
-    int64_t* n = packed.lengths.mutable_data_ptr<int64_t>();
-    const int64_t stride = cu_seqlens.stride(0);
-    LMK_DISPATCH_INDEX(cu_seqlens.scalar_type(), "prepare_packed", [&] {
-      const index_t* c = cu_seqlens.const_data_ptr<index_t>();
-      for (int64_t b = 0; b <= packed.batch; ++b) {
-        o[b] = c[b * stride];
-        if (b > 0) {
-          s[b - 1] = o[b - 1];
-          n[b - 1] = o[b] - o[b - 1];
-        }
-      }
-    });
-  } else {
-    packed.offsets = as_contiguous(to_dtype(cu_seqlens, ScalarType::Long));
-    packed.starts = slice(packed.offsets, 0, 0, packed.batch);
-    packed.lengths = differences(packed.offsets);
-  }
-  if (values == Values::kCheck) {
-    check_offsets(op, packed, like, tokens_are);
-  }
+  // starts is a tensor of its own rather than a view of offsets: a view costs as much as an allocation, a
+  // measurable share of a first_token_pool call on the CPU.
+  packed.offsets = empty_on(cu_seqlens, {packed.batch + 1}, ScalarType::Long);
+  packed.starts = empty_on(cu_seqlens, {packed.batch}, ScalarType::Long);
+  packed.lengths = empty_on(cu_seqlens, {packed.batch}, ScalarType::Long);
+  const OffsetChecks checks{op, tokens_are, tokens, max_seqlen.value_or(std::numeric_limits<int64_t>::max())};
+  kernels_for(like).packed_offsets(cu_seqlens, values == Values::kCheck ? &checks : nullptr, packed.offsets,
+                                   packed.starts, packed.lengths);
   return packed;
 }
 
@@ -176,11 +128,9 @@ Tensor prepare_packed_positions(const char* op, const Tensor& positions, const P
   // Shape, dtype and device as for the padded positions; the range is each text's own length.
   const Tensor p = prepare_positions(op, positions, packed.batch, std::numeric_limits<int64_t>::max(), like,
                                          Values::kTrusted);
-  if (values == Values::kCheck && p.numel() > 0) {
-    // Only a bad entry keeps its value; every other becomes -1, so the first value that is not -1 is the culprit.
-    const Tensor bad = aten("aten::logical_or", "", lt(p, -1), ge(p, torch::stable::unsqueeze(packed.lengths, 1)));
+  if (values == Values::kCheck && p.numel() > 0) {  // -1 or below the text's length
     kernels_for(like).check_range(
-        as_contiguous(where(bad, p, -1)), -1, -1,
+        as_contiguous(p), -1, std::numeric_limits<int64_t>::max(), packed.lengths,
         message(op, "expected landmark positions in [0, length of their text) (counted from the text's start in "
                     "cu_seqlens) or -1 for none"),
         EntryName::kLandmarks);

@@ -40,8 +40,6 @@ struct PackedBatch {
   // of each text when it is undefined; as runs with selected as their mask (kernel_types.h), which the kernels list
   // in as many entries as rows are selected.
   RowSelection selection(const Tensor& selected) const;
-  // How many rows each text has where selected [T] (bool) is true, [B] int64.
-  Tensor count(const Tensor& selected) const;
 };
 
 // Validates cu_seqlens for T rows on like's device: int32 or int64 [B + 1], first 0, last T, non-decreasing; and

@@ -82,8 +82,6 @@ Tensor to_dtype(const Tensor& t, ScalarType dtype) {
 LMK_OPS_BINARY(mul, "aten::mul")
 LMK_OPS_BINARY(div, "aten::div")
 LMK_OPS_BINARY(ge, "aten::ge")
-LMK_OPS_BINARY(lt, "aten::lt")
-LMK_OPS_BINARY(ne, "aten::ne")
 #undef LMK_OPS_BINARY
 
 Tensor clamp_min(const Tensor& a, double b) {
@@ -98,16 +96,8 @@ Tensor index_select(const Tensor& t, int64_t dim, const Tensor& index) {
   return aten("aten::index_select", "", t, dim, index);
 }
 
-Tensor index_copy(const Tensor& dst, int64_t dim, const Tensor& index, const Tensor& source) {
-  return aten("aten::index_copy_", "", dst, dim, index, source);
-}
-
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   return aten("aten::where", "self", cond, a, b);
-}
-
-Tensor where(const Tensor& cond, const Tensor& a, int64_t b) {
-  return where(cond, a, scalar_like(a, static_cast<double>(b)));
 }
 
 Tensor text_of_rows(const Tensor& lengths, int64_t rows, const char* op) {

@@ -67,18 +67,14 @@ Tensor to_dtype(const Tensor& t, ScalarType dtype);
 Tensor mul(const Tensor& a, const Tensor& b), mul(const Tensor& a, int64_t b);
 Tensor div(const Tensor& a, const Tensor& b), div(const Tensor& a, int64_t b);
 Tensor ge(const Tensor& a, const Tensor& b), ge(const Tensor& a, int64_t b);
-Tensor lt(const Tensor& a, const Tensor& b), lt(const Tensor& a, int64_t b);
-Tensor ne(const Tensor& a, const Tensor& b), ne(const Tensor& a, int64_t b);
 Tensor clamp_min(const Tensor& a, double b);
 // t[1:] - t[:-1] of a 1-D tensor: one kernel (an integer subtraction through the stable ABI, whose alpha is a
 // float64, takes four: ATen refuses a floating alpha for integer tensors, so it would go through float64).
 Tensor differences(const Tensor& t);
-// t's entries at index along dimension dim; index_copy writes source's into dst there, in place (and returns dst).
+// t's entries at index along dimension dim.
 Tensor index_select(const Tensor& t, int64_t dim, const Tensor& index);
-Tensor index_copy(const Tensor& dst, int64_t dim, const Tensor& index, const Tensor& source);
-// cond ? a : b, b a value of a's dtype.
+// cond ? a : b.
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
-Tensor where(const Tensor& cond, const Tensor& a, int64_t b);
 // Each row's text, [rows] int64: text b repeated lengths[b] times (lengths int64 [B], summing to rows; on the CPU,
 // lengths that do not are an error naming op).
 Tensor text_of_rows(const Tensor& lengths, int64_t rows, const char* op);

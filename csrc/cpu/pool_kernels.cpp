@@ -566,7 +566,8 @@ const Kernels& kernels() {
   static const Kernels k{cpu::check_range,    &mean_forward,        &max_forward,       cpu::grad_over_counts,
                          cpu::mean_backward,
                          &max_backward,       cpu::gather_forward, cpu::gather_backward, &attention_forward,
-                         &attention_backward, cpu::find_rows,     cpu::shift_rows};
+                         &attention_backward, cpu::find_rows,     cpu::shift_rows,
+                         cpu::packed_offsets};
   return k;
 }
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -216,11 +217,13 @@ RowListing list_rows(const RowSelection& selection, int64_t batch, int64_t seq_l
   return {std::move(order), std::move(count), {}, RowList{o, c, nullptr, width, seq_len, /*listed=*/true}};
 }
 
-void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, EntryName naming) {
+void check_range(const Tensor& values, int64_t lo, int64_t hi, const Tensor& row_limits,
+                 const std::string& expected, EntryName naming) {
   const int64_t* data = values.const_data_ptr<int64_t>();
+  const int64_t* limits = row_limits.defined() ? row_limits.const_data_ptr<int64_t>() : nullptr;
   const int64_t numel = values.numel(), cols = values.size(-1);
   for (int64_t i = 0; i < numel; ++i) {
-    if (data[i] < lo || data[i] > hi) {
+    if (data[i] < lo || data[i] > hi || (limits != nullptr && data[i] >= limits[i / cols])) {
       const int64_t r = i / cols, c = i % cols;
       if (naming == EntryName::kNone) {
         ::lmk_ops::fail(expected, ", got ", data[i]);
@@ -239,11 +242,12 @@ void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string
   }
 }
 
-void grad_over_counts(const Tensor& grad, const Tensor& counts, const Tensor& mask, const Tensor& positions,
-                      int64_t seq_len, Tensor& scaled) {
+void grad_over_counts(const Tensor& grad, const Tensor& counts, const Tensor& mask, const Tensor& offsets,
+                      const Tensor& positions, int64_t seq_len, Tensor& scaled) {
   const int64_t batch = grad.size(0), dim = grad.size(1);
   const int64_t* given = counts.defined() ? counts.const_data_ptr<int64_t>() : nullptr;
   const bool* m = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
+  const int64_t* o = offsets.defined() ? offsets.const_data_ptr<int64_t>() : nullptr;
   const int64_t* p = positions.defined() ? positions.const_data_ptr<int64_t>() : nullptr;
   const int64_t listed = p != nullptr ? positions.size(1) : 0;
   // Strides read once: each read is a call into libtorch (the stable ABI), too slow for the inner loop.
@@ -257,7 +261,8 @@ void grad_over_counts(const Tensor& grad, const Tensor& counts, const Tensor& ma
         if (given != nullptr) {
           count = given[b];
         } else if (m != nullptr) {
-          count = std::count(m + b * seq_len, m + (b + 1) * seq_len, true);
+          const int64_t begin = o != nullptr ? o[b] : b * seq_len, end = o != nullptr ? o[b + 1] : begin + seq_len;
+          count = std::count(m + begin, m + end, true);
         } else if (p != nullptr) {
           count = std::count_if(p + b * listed, p + (b + 1) * listed, [](int64_t l) { return l >= 0; });
         }
@@ -351,6 +356,42 @@ void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, Tensor
       }
     }
   });
+}
+
+void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor& offsets, Tensor& starts,
+                    Tensor& lengths) {
+  const int64_t batch = starts.size(0), stride = cu_seqlens.stride(0);  // read once: a call into libtorch each
+  int64_t* o = offsets.mutable_data_ptr<int64_t>();
+  int64_t* s = starts.mutable_data_ptr<int64_t>();
+  int64_t* n = lengths.mutable_data_ptr<int64_t>();
+  LMK_DISPATCH_INDEX(cu_seqlens.scalar_type(), "packed_offsets", [&] {
+    const index_t* c = cu_seqlens.const_data_ptr<index_t>();
+    for (int64_t b = 0; b <= batch; ++b) {
+      o[b] = c[b * stride];
+      if (b > 0) {
+        s[b - 1] = o[b - 1];
+        n[b - 1] = o[b] - o[b - 1];
+      }
+    }
+  });
+  if (checks == nullptr) {
+    return;
+  }
+  if (o[0] != 0) {
+    ::lmk_ops::fail(checks->message(OffsetCheck::kFirst), ", got ", o[0]);
+  }
+  if (o[batch] != checks->tokens) {
+    ::lmk_ops::fail(checks->message(OffsetCheck::kLast), ", got ", o[batch]);
+  }
+  for (const OffsetCheck check : {OffsetCheck::kOrder, OffsetCheck::kLongest}) {
+    const int64_t lo = check == OffsetCheck::kOrder ? 0 : std::numeric_limits<int64_t>::min();
+    const int64_t hi = check == OffsetCheck::kOrder ? std::numeric_limits<int64_t>::max() : checks->longest;
+    for (int64_t b = 0; b < batch; ++b) {
+      if (n[b] < lo || n[b] > hi) {
+        ::lmk_ops::fail(checks->message(check), ", got ", n[b], " at [", b, "]");
+      }
+    }
+  }
 }
 
 }  // namespace lmk_ops::cpu

@@ -185,12 +185,23 @@ void list_entries(const Entries& entries, int64_t batch, Tensor& order, Tensor& 
   check_launch();
 }
 
-// The first entry of values (int64 [rows, cols], flattened) outside [lo, hi], by an integer atomicMin (the result
+// What check_range allows: values in [lo, hi] and, where limits is not null, below their row's limit (values
+// [rows, cols]).
+struct ValueRange {
+  int64_t lo, hi;
+  const int64_t* limits;
+  int64_t cols;
+
+  __device__ __forceinline__ bool outside(const int64_t* values, int64_t i) const {
+    return values[i] < lo || values[i] > hi || (limits != nullptr && values[i] >= limits[i / cols]);
+  }
+};
+
+// The first entry of values (int64 [rows, cols], flattened) outside range, by an integer atomicMin (the result
 // does not depend on the order of the threads); `first` starts at numel.
-__global__ void find_out_of_range(const int64_t* values, int64_t numel, int64_t lo, int64_t hi,
-                                  unsigned long long* first) {
+__global__ void find_out_of_range(const int64_t* values, int64_t numel, ValueRange range, unsigned long long* first) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < numel; i += int64_t{gridDim.x} * blockDim.x) {
-    if (values[i] < lo || values[i] > hi) {
+    if (range.outside(values, i)) {
       atomicMin(first, static_cast<unsigned long long>(i));
     }
   }
@@ -232,23 +243,23 @@ __global__ void report_out_of_range(const int64_t* values, int64_t numel, int64_
 // attention mask is checked on every call.
 constexpr int64_t kOneBlockCheck = int64_t{1} << 16;
 
-// find_out_of_range and report_out_of_range in one block: the first entry outside [lo, hi] by a shared atomicMin.
-__global__ void __launch_bounds__(kThreads) check_in_one_block(const int64_t* values, int64_t numel, int64_t lo,
-                                                               int64_t hi, int64_t cols, RangeMessage message) {
+// find_out_of_range and report_out_of_range in one block: the first entry outside range by a shared atomicMin.
+__global__ void __launch_bounds__(kThreads) check_in_one_block(const int64_t* values, int64_t numel, ValueRange range,
+                                                               RangeMessage message) {
   __shared__ unsigned long long first;
   if (threadIdx.x == 0) {
     first = static_cast<unsigned long long>(numel);
   }
   __syncthreads();
   for (int64_t i = threadIdx.x; i < numel; i += blockDim.x) {
-    if (values[i] < lo || values[i] > hi) {
+    if (range.outside(values, i)) {
       atomicMin(&first, static_cast<unsigned long long>(i));
       break;  // this thread's later entries come after i
     }
   }
   __syncthreads();
   if (threadIdx.x == 0 && first < static_cast<unsigned long long>(numel)) {
-    report_entry(values, static_cast<int64_t>(first), cols, message);
+    report_entry(values, static_cast<int64_t>(first), range.cols, message);
   }
 }
 
@@ -319,17 +330,24 @@ __device__ int64_t block_sum(int64_t value) {
 template <typename scalar_t, typename acc>
 __global__ void __launch_bounds__(kThreads)
     grad_over_counts_kernel(const scalar_t* grad, int64_t stride_b, int64_t stride_d, const int64_t* counts,
-                            const bool* mask, const int64_t* positions, int64_t listed, int64_t seq_len, int64_t dim,
-                            acc* scaled) {
+                            const bool* mask, const int64_t* offsets, const int64_t* positions, int64_t listed,
+                            int64_t seq_len, int64_t dim, acc* scaled) {
   const int64_t b = blockIdx.x;
   int64_t count = seq_len;
   if (counts != nullptr) {
     count = counts[b];
   } else if (mask != nullptr || positions != nullptr) {
     int64_t mine = 0;
-    const int64_t width = mask != nullptr ? seq_len : listed;
-    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
-      mine += mask != nullptr ? mask[b * seq_len + i] : positions[b * listed + i] >= 0;
+    if (mask != nullptr) {  // text b's entries: its row of [B, L], or its run of a packed batch's [T]
+      const int64_t begin = offsets != nullptr ? offsets[b] : b * seq_len;
+      const int64_t end = offsets != nullptr ? offsets[b + 1] : begin + seq_len;
+      for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+        mine += mask[i];
+      }
+    } else {
+      for (int64_t i = threadIdx.x; i < listed; i += blockDim.x) {
+        mine += positions[b * listed + i] >= 0;
+      }
     }
     count = block_sum(mine);
   }
@@ -535,6 +553,99 @@ __global__ void shift_rows_kernel(const index_t* values, const int64_t* starts, 
   }
 }
 
+constexpr unsigned long long kNoFailure = ~0ull;
+
+// The messages of packed_offsets' checks (OffsetChecks::message), in OffsetCheck's order: a kernel argument, so the
+// texts travel by value.
+struct OffsetMessages {
+  char text[4][240];
+};
+
+// What packed_offsets checks: the last offset, the longest text; nothing where check is false.
+struct OffsetBounds {
+  int64_t tokens;
+  int64_t longest;
+  bool check;
+};
+
+// A failed check as one number, check * (B + 1) + b: the lowest is the one reported (OffsetCheck's order, then b).
+__device__ __forceinline__ unsigned long long failure_key(OffsetCheck check, int64_t b, int64_t batch) {
+  return static_cast<unsigned long long>(static_cast<int64_t>(check) * (batch + 1) + b);
+}
+
+// Prints the failure `key` names with its message, then stops the stream with a device-side assertion.
+template <typename index_t>
+__device__ void report_offsets(const index_t* cu, int64_t stride, int64_t batch, unsigned long long key,
+                               const OffsetMessages& messages) {
+  const auto check = static_cast<int64_t>(key / static_cast<unsigned long long>(batch + 1));
+  const auto b = static_cast<int64_t>(key % static_cast<unsigned long long>(batch + 1));
+  const auto at = static_cast<long long>(cu[b * stride]);
+  if (check <= static_cast<int64_t>(OffsetCheck::kLast)) {
+    printf("%s, got %lld\n", messages.text[check], at);
+  } else {
+    printf("%s, got %lld at [%lld]\n", messages.text[check], static_cast<long long>(cu[(b + 1) * stride]) - at,
+           static_cast<long long>(b));
+  }
+  __assert_fail("lmk_ops input check (see the message above)", __FILE__, __LINE__, __func__);
+}
+
+// packed_offsets: offsets, starts and lengths from cu (grid-stride) and, where bounds.check, the lowest failure
+// key, found per block by a shared atomicMin; a lone block (failure null) reports it itself, blocks of a larger
+// grid leave it in *failure for report_offsets_failure.
+template <typename index_t>
+__global__ void __launch_bounds__(kThreads)
+    convert_offsets(const index_t* cu, int64_t stride, int64_t batch, OffsetBounds bounds, int64_t* offsets,
+                    int64_t* starts, int64_t* lengths, unsigned long long* failure, OffsetMessages messages) {
+  __shared__ unsigned long long lowest;
+  if (threadIdx.x == 0) {
+    lowest = kNoFailure;
+  }
+  __syncthreads();
+  unsigned long long mine = kNoFailure;
+  for (int64_t b = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; b <= batch; b += int64_t{gridDim.x} * blockDim.x) {
+    const auto at = static_cast<int64_t>(cu[b * stride]);
+    offsets[b] = at;
+    if (b < batch) {
+      const int64_t length = static_cast<int64_t>(cu[(b + 1) * stride]) - at;
+      starts[b] = at;
+      lengths[b] = length;
+      if (length < 0) {
+        mine = min(mine, failure_key(OffsetCheck::kOrder, b, batch));
+      } else if (length > bounds.longest) {
+        mine = min(mine, failure_key(OffsetCheck::kLongest, b, batch));
+      }
+    }
+    if (b == 0 && at != 0) {
+      mine = min(mine, failure_key(OffsetCheck::kFirst, b, batch));
+    }
+    if (b == batch && at != bounds.tokens) {
+      mine = min(mine, failure_key(OffsetCheck::kLast, b, batch));
+    }
+  }
+  if (!bounds.check) {  // the same for every thread
+    return;
+  }
+  if (mine != kNoFailure) {
+    atomicMin(&lowest, mine);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && lowest != kNoFailure) {
+    if (failure == nullptr) {
+      report_offsets(cu, stride, batch, lowest, messages);
+    } else {
+      atomicMin(failure, lowest);
+    }
+  }
+}
+
+template <typename index_t>
+__global__ void report_offsets_failure(const index_t* cu, int64_t stride, int64_t batch,
+                                       const unsigned long long* failure, OffsetMessages messages) {
+  if (*failure != kNoFailure) {
+    report_offsets(cu, stride, batch, *failure, messages);
+  }
+}
+
 }  // namespace
 
 RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_len) {
@@ -597,7 +708,8 @@ ChunkPlan plan_chunks(const RowList& list, int64_t batch, const Tensor& like) {
   return {first, batch, bound};
 }
 
-void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string& expected, EntryName naming) {
+void check_range(const Tensor& values, int64_t lo, int64_t hi, const Tensor& row_limits,
+                 const std::string& expected, EntryName naming) {
   const auto guard = on_device_of(values);
   const int64_t numel = values.numel();
   if (numel == 0) {
@@ -607,24 +719,25 @@ void check_range(const Tensor& values, int64_t lo, int64_t hi, const std::string
   expected.copy(message.expected, sizeof(message.expected) - 1);
   message.naming = naming;
   message.flat = values.dim() == 1;
+  const ValueRange range{lo, hi, row_limits.defined() ? row_limits.const_data_ptr<int64_t>() : nullptr,
+                         values.size(-1)};
   if (numel <= kOneBlockCheck) {
-    check_in_one_block<<<1, kThreads, 0, stream()>>>(values.const_data_ptr<int64_t>(), numel, lo, hi, values.size(-1),
-                                                     message);
+    check_in_one_block<<<1, kThreads, 0, stream()>>>(values.const_data_ptr<int64_t>(), numel, range, message);
     check_launch();
     return;
   }
   Tensor first = full_on(values, {1}, numel, ScalarType::Long);
   auto* first_data = reinterpret_cast<unsigned long long*>(first.mutable_data_ptr<int64_t>());
-  find_out_of_range<<<grid_for(numel, kThreads), kThreads, 0, stream()>>>(
-      values.const_data_ptr<int64_t>(), numel, lo, hi, first_data);
+  find_out_of_range<<<grid_for(numel, kThreads), kThreads, 0, stream()>>>(values.const_data_ptr<int64_t>(), numel,
+                                                                          range, first_data);
   check_launch();
   report_out_of_range<<<1, 1, 0, stream()>>>(values.const_data_ptr<int64_t>(), numel, values.size(-1), first_data,
                                              message);
   check_launch();
 }
 
-void grad_over_counts(const Tensor& grad, const Tensor& counts, const Tensor& mask, const Tensor& positions,
-                      int64_t seq_len, Tensor& scaled) {
+void grad_over_counts(const Tensor& grad, const Tensor& counts, const Tensor& mask, const Tensor& offsets,
+                      const Tensor& positions, int64_t seq_len, Tensor& scaled) {
   const auto guard = on_device_of(scaled);
   const int64_t batch = grad.size(0), dim = grad.size(1);
   if (batch == 0) {
@@ -637,6 +750,7 @@ void grad_over_counts(const Tensor& grad, const Tensor& counts, const Tensor& ma
           grad.const_data_ptr<scalar_t>(), grad.stride(0), grad.stride(1),
           counts.defined() ? counts.const_data_ptr<int64_t>() : nullptr,
           mask.defined() ? mask.const_data_ptr<bool>() : nullptr,
+          offsets.defined() ? offsets.const_data_ptr<int64_t>() : nullptr,
           positions.defined() ? positions.const_data_ptr<int64_t>() : nullptr,
           positions.defined() ? positions.size(1) : 0, seq_len, dim, out);
       check_launch();
@@ -745,6 +859,42 @@ void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, Tensor
         values.const_data_ptr<index_t>(), starts.const_data_ptr<int64_t>(), count, values.size(1), sign,
         out.mutable_data_ptr<index_t>());
     check_launch();
+  });
+}
+
+void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor& offsets, Tensor& starts,
+                    Tensor& lengths) {
+  const auto guard = on_device_of(offsets);
+  const int64_t batch = starts.size(0);
+  OffsetBounds bounds{0, std::numeric_limits<int64_t>::max(), checks != nullptr};
+  OffsetMessages messages{};
+  if (checks != nullptr) {
+    bounds.tokens = checks->tokens;
+    bounds.longest = checks->longest;
+    for (int check = 0; check < 4; ++check) {
+      checks->message(static_cast<OffsetCheck>(check)).copy(messages.text[check], sizeof(messages.text[check]) - 1);
+    }
+  }
+  // One block (one launch) for the usual batch; a larger one is spread over a grid, whose blocks leave their
+  // lowest failure in `failure` (starting at kNoFailure: all bits set) for a second, one-thread launch to report.
+  const bool one_block = batch + 1 <= kOneBlockCheck;
+  Tensor failure;
+  if (!one_block && checks != nullptr) {
+    failure = full_on(offsets, {1}, -1, ScalarType::Long);
+  }
+  auto* failure_data =
+      failure.defined() ? reinterpret_cast<unsigned long long*>(failure.mutable_data_ptr<int64_t>()) : nullptr;
+  const int64_t stride = cu_seqlens.stride(0);
+  LMK_DISPATCH_INDEX(cu_seqlens.scalar_type(), "packed_offsets", [&] {
+    const index_t* cu = cu_seqlens.const_data_ptr<index_t>();
+    convert_offsets<index_t><<<one_block ? 1 : grid_for(batch + 1, kThreads), kThreads, 0, stream()>>>(
+        cu, stride, batch, bounds, offsets.mutable_data_ptr<int64_t>(), starts.mutable_data_ptr<int64_t>(),
+        lengths.mutable_data_ptr<int64_t>(), failure_data, messages);
+    check_launch();
+    if (failure_data != nullptr) {
+      report_offsets_failure<index_t><<<1, 1, 0, stream()>>>(cu, stride, batch, failure_data, messages);
+      check_launch();
+    }
   });
 }
 

@@ -141,7 +141,7 @@ std::tuple<Tensor, Tensor, Tensor> insert_landmarks(
         "lmk_ops.", kOp, ": expected per-row intervals as an integer CPU tensor [B] = [", batch, "], got ",
         intervals->scalar_type(), " of shape ", shape_str(intervals->sizes()));
     every_row = as_contiguous(to_dtype(*intervals, ScalarType::Long));
-    kernels_for(every_row).check_range(every_row, 1, std::numeric_limits<int64_t>::max(),
+    kernels_for(every_row).check_range(every_row, 1, std::numeric_limits<int64_t>::max(), Tensor(),
                                        std::string("lmk_ops.") + kOp + ": expected per-row intervals >= 1",
                                        EntryName::kIndex);
   }

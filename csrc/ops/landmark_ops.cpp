@@ -40,14 +40,16 @@ Tensor landmark_mean_backward(const Tensor& grad, const Tensor& landmarks, int64
     const PackedBatch packed = prepare_packed_grad(op, grad, seq_len, *cu_seqlens);
     if (landmarks.scalar_type() == ScalarType::Bool) {
       const Tensor selected = prepare_packed_landmark_mask(op, landmarks, packed, grad);
-      return packed_mean_backward(grad, packed, packed.selection(selected), packed.count(selected), dtype);
+      const RowSelection rows = packed.selection(selected);
+      return packed_mean_backward(grad, packed, rows, rows, dtype);
     }
     // The texts' listed rows as one list of absolute rows: each row is one text's, so the counts are per row.
     const Tensor rows = prepare_packed_positions(op, landmarks, packed, grad, Values::kTrusted);
     RowSelection listed = packed.selection(Tensor());
     listed.positions = torch::stable::view(rows, {1, rows.numel()});
-    const Tensor count = torch::stable::sum(ge(landmarks, 0), std::vector<int64_t>{1});
-    return packed_mean_backward(grad, packed, listed, count, dtype);
+    RowSelection counted;
+    counted.positions = as_contiguous(landmarks);  // each text's entries >= 0
+    return packed_mean_backward(grad, packed, listed, counted, dtype);
   }
   const RowSelection rows = prepare_landmarks(op, landmarks, grad.size(0), seq_len, grad, Values::kTrusted);
   return mean_of_rows_backward(grad, rows, seq_len, dtype);
@@ -144,7 +146,7 @@ std::tuple<Tensor, Tensor> landmark_positions(const Tensor& mask, std::optional<
   kernels_for(mask).find_rows(as_contiguous(mask), starts, lengths, batch, seq_len, /*last=*/false, no_rows,
                               positions, counts);
   if (width.has_value() && batch > 0) {
-    kernels_for(mask).check_range(counts, 0, num_landmarks,
+    kernels_for(mask).check_range(counts, 0, num_landmarks, Tensor(),
                                   "lmk_ops." + op + ": expected at most num_landmarks = " +
                                       std::to_string(num_landmarks) + " landmarks per row",
                                   EntryName::kRow);

@@ -39,8 +39,7 @@ Tensor mean_pool_backward(
   if (cu_seqlens.has_value()) {
     const PackedBatch packed = prepare_packed_grad(op, grad, seq_len, *cu_seqlens);
     const Tensor valid = prepare_packed_mask(op, mask, packed, grad, Values::kTrusted);
-    return packed_mean_backward(grad, packed, packed.selection(valid),
-                                valid.defined() ? packed.count(valid) : packed.lengths, dtype);
+    return packed_mean_backward(grad, packed, packed.selection(valid), packed.selection(valid), dtype);
   }
   const RowSelection rows{prepare_mask(op, mask, grad.size(0), seq_len, grad, Values::kTrusted), Tensor()};
   return mean_of_rows_backward(grad, rows, seq_len, dtype);

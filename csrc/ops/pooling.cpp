@@ -102,13 +102,13 @@ std::tuple<Tensor, Tensor> mean_of_rows(const Tensor& hidden, const RowSelection
 namespace {
 
 // grad [B, D] / (the number of rows each text selects, at least 1), as a contiguous tensor of type acc (float32 or
-// float64): the operand of the mean's backward kernel. counts: each text's count where known (packed batches), else
-// undefined (counted from the rows). One kernel on every device.
-Tensor grad_over_counts(const Tensor& grad, const Tensor& counts, const RowSelection& rows, int64_t seq_len,
+// float64): the operand of the mean's backward kernel. counts: each text's count where known (a packed batch's
+// lengths), else undefined (counted from the rows: counted's mask, with its offsets for a packed batch, or its
+// positions). One kernel on every device.
+Tensor grad_over_counts(const Tensor& grad, const Tensor& counts, const RowSelection& counted, int64_t seq_len,
                         ScalarType acc) {
   Tensor scaled = empty_on(grad, {grad.size(0), grad.size(1)}, acc);
-  kernels_for(grad).grad_over_counts(grad, counts.defined() ? as_contiguous(counts) : counts, rows.mask,
-                                     rows.positions, seq_len, scaled);
+  kernels_for(grad).grad_over_counts(grad, counts, counted.mask, counted.offsets, counted.positions, seq_len, scaled);
   return scaled;
 }
 
@@ -129,11 +129,13 @@ Tensor mean_of_rows_backward(const Tensor& grad, const RowSelection& rows, int64
 }
 
 Tensor packed_mean_backward(const Tensor& grad, const PackedBatch& packed, const RowSelection& rows,
-                            const Tensor& count, std::optional<ScalarType> dtype) {
+                            const RowSelection& counted, std::optional<ScalarType> dtype) {
   const ScalarType out_type = dtype.value_or(grad.scalar_type());
   Tensor grad_hidden = empty_on(grad, {1, packed.tokens, grad.size(1)}, out_type);
   if (grad_hidden.numel() > 0) {
-    const Tensor scaled = grad_over_counts(grad, count, RowSelection(), 0, acc_dtype(out_type));
+    const bool every_row = !counted.mask.defined() && !counted.positions.defined();
+    const Tensor scaled =
+        grad_over_counts(grad, every_row ? packed.lengths : Tensor(), counted, 0, acc_dtype(out_type));
     kernels_for(grad).mean_backward(scaled, rows, grad_hidden);
   }
   return torch::stable::view(grad_hidden, {packed.tokens, grad.size(1)});

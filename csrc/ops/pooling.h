@@ -28,7 +28,9 @@ Tensor mean_of_rows_backward(
 // The gradient of a packed batch's mean, [T, D] in dtype: row t of text b gets grad[b] / count[b] times how often
 // rows selects it (packed.selection(mask), or a [1, N] list of absolute rows as positions: kernel_types.h), written
 // once by the kernels and rounding of mean_of_rows_backward, so that a text gets the same bits packed and padded.
+// count[b] is counted by the kernel from `counted`: its mask [T] within the text's run (with counted.offsets), or
+// its positions [B, K] (entries >= 0), or where it has neither the text's length.
 Tensor packed_mean_backward(const Tensor& grad, const PackedBatch& packed, const RowSelection& rows,
-                            const Tensor& count, std::optional<ScalarType> dtype);
+                            const RowSelection& counted, std::optional<ScalarType> dtype);
 
 }  // namespace lmk_ops::ops

@@ -32,12 +32,11 @@ struct RowSelection {
 // The rows attention pooling reads and writes. Padded: listed.mask is the valid mask [B, L] (undefined: every row),
 // valid the same. Packed (hidden a [B, T, D] view with batch stride 0, common/packed.h): listed lists each text's
 // valid rows as absolute rows, valid marks the valid rows [T] (undefined: all), and the per-row tensors (weights
-// [H, T], grad_weights [H, T], grad_hidden [T, D]) have no batch dimension; for the backward, text_of_row [T]
-// (int64) names each row's text (the forward does not read it, so it is not built there).
+// [H, T], grad_weights [H, T], grad_hidden [T, D]) have no batch dimension; a row's text is the b with
+// listed.offsets[b] <= row < listed.offsets[b + 1].
 struct AttentionRows {
   RowSelection listed;
   Tensor valid;
-  Tensor text_of_row;
 
   bool packed() const {
     return listed.starts.defined();  // a packed batch's texts are runs of rows (PackedBatch::selection)

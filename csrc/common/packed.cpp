@@ -43,10 +43,6 @@ Tensor PackedBatch::batch_view(const Tensor& hidden) const {
   return as_strided(hidden, {batch, tokens, hidden.size(1)}, {0, hidden.stride(0), hidden.stride(1)});
 }
 
-Tensor PackedBatch::text_of_rows(const char* op) const {
-  return lmk_ops::text_of_rows(lengths, tokens, op);
-}
-
 Tensor PackedBatch::absolute(const Tensor& positions) const {
   const Tensor values = as_contiguous(positions);
   // A copy that as_contiguous made is shifted in place; the caller's positions are never written.

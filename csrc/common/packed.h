@@ -28,8 +28,6 @@ struct PackedBatch {
 
   // hidden [T, D] as [B, T, D] with batch stride 0: the input of the padded kernels for absolute row lists.
   Tensor batch_view(const Tensor& hidden) const;
-  // The text of each row [T] (int64), with no host synchronisation (errors name op).
-  Tensor text_of_rows(const char* op) const;
   // Positions counted from each text's start ([B, K] int32 or int64, -1 padded) as absolute rows of hidden (-1
   // stays -1), a new contiguous tensor in their dtype.
   Tensor absolute(const Tensor& positions) const;

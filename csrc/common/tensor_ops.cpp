@@ -6,7 +6,6 @@
 
 #include "common/checks.h"
 #include "common/error.h"
-#include "common/host_path.h"
 
 namespace lmk_ops {
 namespace {
@@ -98,31 +97,6 @@ Tensor index_select(const Tensor& t, int64_t dim, const Tensor& index) {
 
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   return aten("aten::where", "self", cond, a, b);
-}
-
-Tensor text_of_rows(const Tensor& lengths, int64_t rows, const char* op) {
-  if (takes_host_path(lengths)) {  // one loop: the ATen form is some 20 operator calls, a packed attention
-    Tensor text = empty_on(lengths, {rows}, ScalarType::Long);  // backward's share on small batches
-    const Tensor n = as_contiguous(lengths);
-    const int64_t* length = n.const_data_ptr<int64_t>();
-    int64_t* t = text.mutable_data_ptr<int64_t>();
-    int64_t row = 0;
-    for (int64_t b = 0; b < n.size(0); ++b) {
-      // The callers check cu_seqlens first (prepare_packed); this check keeps the loop inside the rows regardless.
-      LMK_CHECK(length[b] >= 0 && length[b] <= rows - row, "lmk_ops.", op,
-                ": expected cu_seqlens whose texts cover the T = ", rows, " rows, got a text of ", length[b],
-                " rows after ", row);
-      std::fill_n(t + row, length[b], b);
-      row += length[b];
-    }
-    LMK_CHECK(row == rows, "lmk_ops.", op, ": expected cu_seqlens whose texts cover the T = ", rows, " rows, got ",
-              row);
-    return text;
-  }
-  // repeat_interleave(repeats) is arange(B) with b repeated repeats[b] times. Negative lengths clamped: ATen's
-  // repeat_interleave given output_size writes out of bounds for a negative repeat (it corrupted the CPU heap; a
-  // total other than rows it reports as a size mismatch, where it checks).
-  return aten("aten::repeat_interleave", "Tensor", clamp_min(lengths, 0), std::optional<int64_t>(rows));
 }
 
 }  // namespace lmk_ops

@@ -75,8 +75,5 @@ Tensor differences(const Tensor& t);
 Tensor index_select(const Tensor& t, int64_t dim, const Tensor& index);
 // cond ? a : b.
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
-// Each row's text, [rows] int64: text b repeated lengths[b] times (lengths int64 [B], summing to rows; on the CPU,
-// lengths that do not are an error naming op).
-Tensor text_of_rows(const Tensor& lengths, int64_t rows, const char* op);
 
 }  // namespace lmk_ops

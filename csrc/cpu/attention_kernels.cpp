@@ -1191,15 +1191,20 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
   });
   // Every row of grad_hidden once, split over rows: p g + scale p (e - S) q for a valid row, zeros elsewhere,
   // without reading hidden again.
-  // (A packed batch's rows are [T, D], each row in the text text_of_row names.)
+  // (A packed batch's rows are [T, D], text by text as offsets bound them: a range's first row finds its text by a
+  // binary search, the others by passing the texts' ends in turn.)
   const bool* is_valid = rows.valid.defined() ? rows.valid.const_data_ptr<bool>() : nullptr;
-  const int64_t* text_of_row = rows.packed() ? rows.text_of_row.const_data_ptr<int64_t>() : nullptr;
+  const int64_t* offsets = rows.packed() ? rows.listed.offsets.const_data_ptr<int64_t>() : nullptr;
   const int64_t grain = std::max<int64_t>(1, kMinParallelWork / dim);
   torch::stable::parallel_for(0, rows.packed() ? seq_len : batch * seq_len, grain, [&](int64_t begin, int64_t end) {
     std::vector<acc> wide(std::is_same_v<scalar_t, acc> ? 0 : dim);
+    int64_t text = offsets != nullptr ? std::upper_bound(offsets, offsets + batch + 1, begin) - offsets - 1 : 0;
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t b = text_of_row != nullptr ? text_of_row[r] : r / seq_len;
-      const int64_t l = text_of_row != nullptr ? r : r % seq_len;
+      while (offsets != nullptr && r >= offsets[text + 1]) {
+        ++text;
+      }
+      const int64_t b = offsets != nullptr ? text : r / seq_len;
+      const int64_t l = offsets != nullptr ? r : r % seq_len;
       scalar_t* dst = gh + r * dim;
       if (is_valid != nullptr && !is_valid[r]) {
         std::memset(static_cast<void*>(dst), 0, dim * sizeof(scalar_t));

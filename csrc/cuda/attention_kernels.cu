@@ -713,10 +713,10 @@ __global__ void attention_text_sums(const double* part_pe, const double* part_pe
 
 // Every row of grad_hidden, a warp per row: p g + scale p (e - S) q for a valid row, zeros elsewhere. Packs never
 // straddle heads, so each pack reads its head's p, e and S once and grad and query as packs. Rows: batch * seq_len
-// of a padded batch, or the seq_len rows of a packed one (text_of_row names each row's text).
+// of a padded batch, or the seq_len rows of a packed one (offsets, its [B + 1], bound each text's rows).
 template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kThreads)
-    attention_grad_rows(const bool* valid, const int64_t* text_of_row, const acc_t<scalar_t>* prob,
+    attention_grad_rows(const bool* valid, const int64_t* offsets, int64_t texts, const acc_t<scalar_t>* prob,
                         const double* err, int64_t row_values_batch, const double* text_sums,
                         const acc_t<scalar_t>* grad, const acc_t<scalar_t>* query, acc_t<scalar_t> scale,
                         int64_t rows, int64_t seq_len, int64_t heads, int64_t head_dim, scalar_t* grad_hidden) {
@@ -724,8 +724,8 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x % 32;
   const int64_t dim = heads * head_dim, packs = dim / VEC, head_packs = head_dim / VEC;
   for_each_warp_row(rows, [&](int64_t row) {
-    const int64_t b = text_of_row != nullptr ? text_of_row[row] : row / seq_len;
-    const int64_t l = text_of_row != nullptr ? row : row % seq_len;
+    const int64_t b = offsets != nullptr ? text_of_row(offsets, texts, row) : row / seq_len;
+    const int64_t l = offsets != nullptr ? row : row % seq_len;
     const bool is_valid = valid == nullptr || valid[row];
     for (int64_t v = lane; v < packs; v += 32) {
       acc x[VEC];
@@ -901,7 +901,7 @@ void backward_typed(const Tensor& grad, const Tensor& grad_weights, const Tensor
   with_vector_width<scalar_t>(vec, [&]<int VEC>() {
     attention_grad_rows<scalar_t, VEC><<<grid_for(grad_rows, kWarpsPerBlock), kThreads, 0, stream()>>>(
         rows.valid.defined() ? rows.valid.const_data_ptr<bool>() : nullptr,
-        rows.packed() ? rows.text_of_row.const_data_ptr<int64_t>() : nullptr, prob.const_data_ptr<acc>(),
+        rows.packed() ? rows.listed.offsets.const_data_ptr<int64_t>() : nullptr, batch, prob.const_data_ptr<acc>(),
         err.const_data_ptr<double>(), row_values_batch, text_sums.const_data_ptr<double>(), grad.const_data_ptr<acc>(),
         query.const_data_ptr<acc>(), wide_scale, grad_rows, seq_len, heads, head_dim,
         grad_hidden.mutable_data_ptr<scalar_t>());

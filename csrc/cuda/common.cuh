@@ -300,6 +300,20 @@ __device__ __forceinline__ void for_each_warp_row(int64_t rows, const Body& body
   }
 }
 
+// The text of a packed batch's row: the b with offsets[b] <= row < offsets[b + 1] (row in [0, offsets[texts])).
+__device__ __forceinline__ int64_t text_of_row(const int64_t* offsets, int64_t texts, int64_t row) {
+  int64_t lo = 0, hi = texts;  // offsets[lo] <= row < offsets[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (offsets[mid] <= row) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
 // The current device's multiprocessor count, asked once per device.
 inline int multiprocessors() {
   constexpr int kDevices = 64;

@@ -292,20 +292,6 @@ struct SelectionView {
   }
 };
 
-// The text of a packed batch's row: the b with offsets[b] <= row < offsets[b + 1] (row in [0, offsets[texts])).
-__device__ __forceinline__ int64_t text_of_row(const int64_t* offsets, int64_t texts, int64_t row) {
-  int64_t lo = 0, hi = texts;  // offsets[lo] <= row < offsets[hi]
-  while (hi - lo > 1) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (offsets[mid] <= row) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
-}
-
 // The sum of value over the block (every thread must call it; the result is the block's total in every thread).
 __device__ int64_t block_sum(int64_t value) {
   __shared__ int64_t warp_sums[32];

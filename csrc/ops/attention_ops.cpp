@@ -18,14 +18,13 @@ Tensor wide_query(const Tensor& query, const Heads& heads, ScalarType acc) {
   return as_contiguous(to_dtype(torch::stable::reshape(query, {heads.count, heads.dim}), acc));
 }
 
-// The rows the attention kernels take: a padded batch's valid mask, or a packed batch's lists (with each row's
-// text for the backward op, backward_op; null for the forward).
+// The rows the attention kernels take: a padded batch's valid mask, or a packed batch's lists.
 AttentionRows padded_rows(const Tensor& valid) {
-  return {{valid, Tensor()}, valid, Tensor()};
+  return {{valid, Tensor()}, valid};
 }
 
-AttentionRows packed_rows(const PackedBatch& packed, const Tensor& valid, const char* backward_op) {
-  return {packed.selection(valid), valid, backward_op != nullptr ? packed.text_of_rows(backward_op) : Tensor()};
+AttentionRows packed_rows(const PackedBatch& packed, const Tensor& valid) {
+  return {packed.selection(valid), valid};
 }
 
 std::tuple<Tensor, Tensor, Tensor> attention_forward(const Tensor& hidden, const AttentionRows& rows,
@@ -67,7 +66,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_pool(const Tensor& hidden_in, const
     const Heads heads = check_query(op, query, view);
     const double s = resolve_scale(op, scale, heads.dim);
     const Tensor valid = prepare_packed_mask(op, mask, packed, hidden);
-    return attention_forward(view, packed_rows(packed, valid, nullptr), query, heads, s, return_weights);
+    return attention_forward(view, packed_rows(packed, valid), query, heads, s, return_weights);
   }
   check_hidden(op, hidden, max_seqlen);
   const Heads heads = check_query(op, query, hidden);
@@ -124,7 +123,7 @@ std::tuple<Tensor, Tensor> attention_pool_backward(
     const int64_t batch = packed.batch, dim = hidden.size(1);
     check_backward_inputs(op, grad, gw, out, stats, batch, dim, heads, {heads.count, packed.tokens}, hidden);
     const Tensor valid = prepare_packed_mask(op, mask, packed, hidden, Values::kTrusted);
-    return attention_backward(grad, gw, view, packed_rows(packed, valid, op), query, heads, out, stats, s);
+    return attention_backward(grad, gw, view, packed_rows(packed, valid), query, heads, out, stats, s);
   }
   check_hidden(op, hidden, max_seqlen);
   const Heads heads = check_query(op, query, hidden);

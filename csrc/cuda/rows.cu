@@ -861,9 +861,10 @@ void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor
       checks->message(static_cast<OffsetCheck>(check)).copy(messages.text[check], sizeof(messages.text[check]) - 1);
     }
   }
-  // One block (one launch) for the usual batch; a larger one is spread over a grid, whose blocks leave their
-  // lowest failure in `failure` (starting at kNoFailure: all bits set) for a second, one-thread launch to report.
-  const bool one_block = batch + 1 <= kOneBlockCheck;
+  // One block (one launch) for the usual batch, up to 16 offsets a thread (each a load the thread waits for); a
+  // larger one is spread over a grid, whose blocks leave their lowest failure in `failure` (starting at kNoFailure:
+  // all bits set) for a second, one-thread launch to report.
+  const bool one_block = batch + 1 <= 16 * kThreads;
   Tensor failure;
   if (!one_block && checks != nullptr) {
     failure = full_on(offsets, {1}, -1, ScalarType::Long);

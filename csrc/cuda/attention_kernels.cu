@@ -455,54 +455,74 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Finishes the texts with more than one chunk: the chunks' (max, total, weighted mean), merged in chunk order, each
-// mean weighted by its chunk's share of the text's total. Means rather than weighted sums: each is at most the
-// largest value, and so is every partial sum of them, so float64 rows near float64's maximum merge to a finite
-// result wherever it is finite.
+// Finishes the texts with more than one chunk: the chunks' (max, total, weighted mean), merged warp by warp in chunk
+// order and then in warp order (common.cuh: kCombineLanes), each mean weighted by its chunk's share of the text's
+// total. Means rather than weighted sums: each is at most the largest value, and so is every partial sum of them,
+// so float64 rows near float64's maximum merge to a finite result wherever it is finite.
 template <typename scalar_t>
-__global__ void attention_combine(const acc_t<scalar_t>* part_max, const acc_t<scalar_t>* part_sum,
-                                  const double* part_out, SelectedRows rows, int64_t batch, int64_t heads,
-                                  int64_t head_dim, ChunkView chunks, scalar_t* out, double* stats) {
+__global__ void __launch_bounds__(kThreads)
+    attention_combine(const acc_t<scalar_t>* part_max, const acc_t<scalar_t>* part_sum, const double* part_out,
+                      SelectedRows rows, int64_t batch, int64_t heads, int64_t head_dim, ChunkView chunks,
+                      scalar_t* out, double* stats) {
   using acc = acc_t<scalar_t>;
-  const int64_t dim = heads * head_dim, i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
-  if (i >= batch * dim) {
-    return;
-  }
-  const int64_t b = i / dim, d = i % dim, h = d / head_dim, n = rows.rows(b);
-  if (n <= kChunkRows) {
-    return;
-  }
-  const int64_t first = chunks.first[b], used = ceil_div(n, kChunkRows);
-  acc best = -std::numeric_limits<acc>::infinity();
-  // Unrolled for loads in flight, the order of the additions kept (combine_chunks in pool_kernels.cu says why; this
-  // kernel took 131 us for one bfloat16 text of 32768 x 1024 on an H100, the chunks' kernel 94).
-#pragma unroll 8
-  for (int64_t c = 0; c < used; ++c) {
-    const acc m = part_max[(first + c) * heads + h];
-    best = m > best ? m : best;
-  }
-  // Summed in float64, compensated (ChunkSum), so the error does not grow with the number of chunks.
-  const auto rescaled_sum = [&](int64_t part) {
-    const acc m = part_max[part * heads + h];
-    const acc factor =
-        m == best ? acc(1) : (m == -std::numeric_limits<acc>::infinity() ? acc(0) : device_exp(m - best));
-    return static_cast<double>(part_sum[part * heads + h] * factor);
+  constexpr acc kNegInf = -std::numeric_limits<acc>::infinity();
+  __shared__ acc top_of[kWarpsPerBlock][kCombineLanes];
+  __shared__ double sum_of[kWarpsPerBlock][kCombineLanes];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t dim = heads * head_dim;
+  // The warps' compensated sums (ChunkSum: float64, so the error does not grow with the number of chunks), taken in
+  // warp order, in every warp.
+  const auto merged = [&](const ChunkSum& mine) {
+    share_lanes(mine.value(), sum_of);
+    ChunkSum all;
+    for (int w = 0; w < kWarpsPerBlock; ++w) {
+      all.add(sum_of[w][lane]);
+    }
+    return all.value();
   };
-  ChunkSum text_total, text_weighted;
-#pragma unroll 8
-  for (int64_t c = 0; c < used; ++c) {
-    text_total.add(rescaled_sum(first + c));
-  }
-  const double total = text_total.value();
-#pragma unroll 8
-  for (int64_t c = 0; c < used; ++c) {
-    text_weighted.add(part_out[(first + c) * dim + d] * (rescaled_sum(first + c) / total));
-  }
-  out[i] = static_cast<scalar_t>(text_weighted.value());
-  if (d % head_dim == 0) {
-    stats[(b * heads + h) * 2] = best;
-    stats[(b * heads + h) * 2 + 1] = total;
-  }
+  for_each_combine_item(batch, dim, [&](int64_t b, int64_t d) {
+    const int64_t n = rows.rows(b);
+    if (n <= kChunkRows) {
+      return;  // the text's only chunk finished it
+    }
+    const bool active = d < dim;
+    const int64_t h = active ? d / head_dim : 0, first = chunks.first[b], used = ceil_div(n, kChunkRows);
+    // The text's maximum score for the lane's head, over every warp's chunks (a maximum: in any order).
+    acc best = kNegInf;
+#pragma unroll 4  // loads in flight
+    for (int64_t c = warp; active && c < used; c += kWarpsPerBlock) {
+      const acc m = part_max[(first + c) * heads + h];
+      best = m > best ? m : best;
+    }
+    share_lanes(best, top_of);
+    for (int w = 0; w < kWarpsPerBlock; ++w) {
+      best = top_of[w][lane] > best ? top_of[w][lane] : best;
+    }
+    // Each chunk's total rescaled to that maximum.
+    const auto rescaled_sum = [&](int64_t part) {
+      const acc m = part_max[part * heads + h];
+      const acc factor = m == best ? acc(1) : (m == kNegInf ? acc(0) : device_exp(m - best));
+      return static_cast<double>(part_sum[part * heads + h] * factor);
+    };
+    ChunkSum warp_total, warp_weighted;
+#pragma unroll 4
+    for (int64_t c = warp; active && c < used; c += kWarpsPerBlock) {
+      warp_total.add(rescaled_sum(first + c));
+    }
+    const double total = merged(warp_total);
+#pragma unroll 4
+    for (int64_t c = warp; active && c < used; c += kWarpsPerBlock) {
+      warp_weighted.add(part_out[(first + c) * dim + d] * (rescaled_sum(first + c) / total));
+    }
+    const double weighted = merged(warp_weighted);
+    if (warp == 0 && active) {
+      out[b * dim + d] = static_cast<scalar_t>(weighted);
+      if (d % head_dim == 0) {
+        stats[(b * heads + h) * 2] = best;
+        stats[(b * heads + h) * 2 + 1] = total;
+      }
+    }
+  });
 }
 
 // weights[b, h, l] (packed: [h, l]) = exp(score - max) / sum for the valid rows (scores were left there by
@@ -684,31 +704,52 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Per (text, feature), parallel over both: S = the sum of p e over the text's chunks (kept per (text, head) for the
-// rows) and the text's share of the query gradient, scale * (sum p e (x - m) - S sum p (x - m)), each summed in
-// chunk order in float64. The shares are then summed over the texts by a deterministic ATen reduction.
+// Per (text, feature): S = the sum of p e over the text's chunks (kept per (text, head) for the rows) and the text's
+// share of the query gradient, scale * (sum p e (x - m) - S sum p (x - m)), each summed in float64, warp by warp
+// in chunk order and then in warp order (common.cuh: kCombineLanes). The shares are then summed over the texts by a
+// deterministic ATen reduction.
 template <typename acc>
-__global__ void attention_text_sums(const double* part_pe, const double* part_pex, const double* part_px,
-                                    SelectedRows rows, int64_t batch, int64_t heads, int64_t head_dim,
-                                    ChunkView chunks, acc scale, double* text_sums, acc* query_shares) {
-  const int64_t dim = heads * head_dim, i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
-  if (i >= batch * dim) {
-    return;
-  }
-  const int64_t b = i / dim, d = i % dim, h = d / head_dim;
-  double s = 0, pex = 0, px = 0;  // float64, so the error does not grow with the number of chunks
-  const int64_t used = ceil_div(rows.rows(b), kChunkRows);
-#pragma unroll 8  // loads in flight (attention_combine)
-  for (int64_t c = 0; c < used; ++c) {
-    const int64_t part = chunks.first[b] + c;
-    s += part_pe[part * heads + h];
-    pex += part_pex[part * dim + d];
-    px += part_px[part * dim + d];
-  }
-  query_shares[i] = static_cast<acc>(scale * (pex - s * px));
-  if (d % head_dim == 0) {
-    text_sums[b * heads + h] = s;
-  }
+__global__ void __launch_bounds__(kThreads)
+    attention_text_sums(const double* part_pe, const double* part_pex, const double* part_px, SelectedRows rows,
+                        int64_t batch, int64_t heads, int64_t head_dim, ChunkView chunks, acc scale,
+                        double* text_sums, acc* query_shares) {
+  __shared__ double s_of[kWarpsPerBlock][kCombineLanes], pex_of[kWarpsPerBlock][kCombineLanes],
+      px_of[kWarpsPerBlock][kCombineLanes];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t dim = heads * head_dim;
+  for_each_combine_item(batch, dim, [&](int64_t b, int64_t d) {
+    const bool active = d < dim;
+    const int64_t h = active ? d / head_dim : 0, first = chunks.first[b];
+    const int64_t used = ceil_div(rows.rows(b), kChunkRows);
+    double s = 0, pex = 0, px = 0;  // float64, so the error does not grow with the number of chunks
+    if (used > 1) {
+#pragma unroll 4  // loads in flight
+      for (int64_t c = warp; active && c < used; c += kWarpsPerBlock) {
+        s += part_pe[(first + c) * heads + h];
+        pex += part_pex[(first + c) * dim + d];
+        px += part_px[(first + c) * dim + d];
+      }
+      share_lanes(s, s_of);  // the same branch for the whole block: one text
+      share_lanes(pex, pex_of);
+      share_lanes(px, px_of);
+      s = pex = px = 0;
+      for (int w = 0; w < kWarpsPerBlock; ++w) {
+        s += s_of[w][lane];
+        pex += pex_of[w][lane];
+        px += px_of[w][lane];
+      }
+    } else if (used == 1 && active) {  // a text of one chunk (the usual short text): its values
+      s = part_pe[first * heads + h];
+      pex = part_pex[first * dim + d];
+      px = part_px[first * dim + d];
+    }
+    if (warp == 0 && active) {
+      query_shares[b * dim + d] = static_cast<acc>(scale * (pex - s * px));
+      if (d % head_dim == 0) {
+        text_sums[b * heads + h] = s;
+      }
+    }
+  });
 }
 
 // Every row of grad_hidden, a warp per row: p g + scale p (e - S) q for a valid row, zeros elsewhere. Packs never
@@ -845,7 +886,7 @@ void forward_typed(const Tensor& hidden_in, const AttentionRows& rows, const Ten
     check_launch();
   });
   if (chunks.several()) {
-    attention_combine<scalar_t><<<ceil_div(batch * dim, kThreads), kThreads, 0, stream()>>>(
+    attention_combine<scalar_t><<<grid_for(combine_items(batch, dim), 1), kThreads, 0, stream()>>>(
         data(part_max), data(part_sum), chunk_out, list.view(), batch, heads, head_dim, chunks.view(),
         out.mutable_data_ptr<scalar_t>(), stats.mutable_data_ptr<double>());
     check_launch();
@@ -888,7 +929,7 @@ void backward_typed(const Tensor& grad, const Tensor& grad_weights, const Tensor
             part_px.mutable_data_ptr<double>());
     check_launch();
   });
-  attention_text_sums<acc><<<ceil_div(batch * dim, kThreads), kThreads, 0, stream()>>>(
+  attention_text_sums<acc><<<grid_for(combine_items(batch, dim), 1), kThreads, 0, stream()>>>(
       part_pe.const_data_ptr<double>(), part_pex.const_data_ptr<double>(), part_px.const_data_ptr<double>(),
       list.view(), batch, heads, head_dim, chunks.view(), wide_scale, text_sums.mutable_data_ptr<double>(),
       query_shares.mutable_data_ptr<acc>());

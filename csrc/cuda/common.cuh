@@ -314,6 +314,39 @@ __device__ __forceinline__ int64_t text_of_row(const int64_t* offsets, int64_t t
   return lo;
 }
 
+// The kernels that combine a text's chunk results (pool_kernels.cu, attention_kernels.cu) take a block per (text,
+// tile of 32 features): warp w takes the text's chunks w, w + kWarpsPerBlock, ... in order, a lane per feature,
+// and the warps' results are then taken in warp order (share_lanes), so that the order of every operation depends
+// only on the text's chunk count. (A thread per (text, feature) walking all of its text's chunks gave one text of 1024
+// features 4 blocks: on an H100 the combine of one bfloat16 text of 32768 x 1024 outlasted its chunks' kernel.)
+constexpr int kCombineLanes = 32;
+
+// A combining kernel's work: batch * combine_items(dim) items (text, tile of kCombineLanes features), a block each
+// in turn (a grid-stride loop: a few waves of blocks whatever the batch, so that a large batch of short texts, whose
+// items end at once, does not pay a block launch each).
+inline int64_t combine_items(int64_t batch, int64_t dim) {
+  return batch * ceil_div(dim, kCombineLanes);
+}
+
+// Calls body(b, d) for each of the block's items: text b, and d this thread's feature (d >= dim past the last
+// tile: an idle lane, which must still take part in share_lanes). body's return ends the item, for the whole block.
+template <typename Body>
+__device__ __forceinline__ void for_each_combine_item(int64_t batch, int64_t dim, const Body& body) {
+  const int64_t tiles = ceil_div(dim, kCombineLanes);
+  for (int64_t item = blockIdx.x; item < batch * tiles; item += gridDim.x) {
+    body(item / tiles, (item % tiles) * kCombineLanes + threadIdx.x % 32);
+  }
+}
+
+// Shares every warp's per-lane value: afterwards slots[w][lane] holds warp w's value of that lane, for any thread to
+// read until the next call. Every thread of the block must call it (it synchronises the block, before and after).
+template <typename T>
+__device__ __forceinline__ void share_lanes(T value, T (&slots)[kWarpsPerBlock][kCombineLanes]) {
+  __syncthreads();  // an earlier use of slots is over
+  slots[threadIdx.x / 32][threadIdx.x % 32] = value;
+  __syncthreads();
+}
+
 // The current device's multiprocessor count, asked once per device.
 inline int multiprocessors() {
   constexpr int kDevices = 64;

@@ -179,48 +179,67 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Finishes the texts with more than one chunk: their partial results, taken in chunk order. A mean's partials are
-// the chunks' shares of it (chunk sum / the text's row count): each is at most the largest value, and so is every
-// partial sum of them, so float64 rows near float64's maximum give a finite mean wherever it is finite.
+// Finishes the texts with more than one chunk: their partial results, warp by warp in chunk order and then in warp
+// order (common.cuh: kCombineLanes). A mean's partials are the chunks' shares of it (chunk sum / the text's row
+// count): each is at most the largest value, and so is every partial sum of them, so float64 rows near float64's
+// maximum give a finite mean wherever it is finite. A maximum is the same whatever the order (takes_over breaks
+// ties by row).
 template <bool kMax, typename scalar_t, typename out_t>
-__global__ void combine_chunks(const partial_t<kMax, scalar_t>* partial, const int32_t* partial_where,
-                               SelectedRows rows, int64_t batch, int64_t dim, ChunkView chunks, out_t* out,
-                               int32_t* argmax) {
+__global__ void __launch_bounds__(kThreads)
+    combine_chunks(const partial_t<kMax, scalar_t>* partial, const int32_t* partial_where, SelectedRows rows,
+                   int64_t batch, int64_t dim, ChunkView chunks, out_t* out, int32_t* argmax) {
   using acc = partial_t<kMax, scalar_t>;
-  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
-  if (i >= batch * dim) {
-    return;
-  }
-  const int64_t b = i / dim, d = i % dim, n = rows.rows(b);
-  if (n <= kChunkRows) {
-    return;
-  }
-  const int64_t first = chunks.first[b], used = ceil_div(n, kChunkRows);
-  const acc* p = partial + first * dim + d;
-  // The loops are unrolled so that a thread has several partials' loads in flight: a thread walks all of a text's
-  // chunks (256 for 32k rows), and one load at a time made this kernel outlast the chunks' (76 us against 73 on an
-  // H100 for one bfloat16 text of 32768 x 1024). The additions keep their order.
-  if constexpr (kMax) {
-    acc value = p[0];
-    int64_t where = partial_where[first * dim + d];
-#pragma unroll 8
-    for (int64_t c = 1; c < used; ++c) {
-      const int32_t at = partial_where[(first + c) * dim + d];
-      if (takes_over(p[c * dim], at, value, where)) {
-        value = p[c * dim];
-        where = at;
+  struct Best {
+    acc value;
+    int64_t where;  // -1: none (a warp without chunks)
+  };
+  __shared__ Best best_of[kWarpsPerBlock][kCombineLanes];
+  __shared__ double sum_of[kWarpsPerBlock][kCombineLanes];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for_each_combine_item(batch, dim, [&](int64_t b, int64_t d) {
+    const int64_t n = rows.rows(b);
+    if (n <= kChunkRows) {
+      return;  // the text's only chunk finished it
+    }
+    const bool active = d < dim;
+    const int64_t first = chunks.first[b], used = ceil_div(n, kChunkRows);
+    const acc* p = partial + first * dim + d;
+    if constexpr (kMax) {
+      Best best{acc(0), -1};
+#pragma unroll 4  // loads in flight
+      for (int64_t c = warp; active && c < used; c += kWarpsPerBlock) {
+        const int32_t at = partial_where[(first + c) * dim + d];
+        if (takes_over(p[c * dim], at, best.value, best.where)) {
+          best = {p[c * dim], at};
+        }
+      }
+      share_lanes(best, best_of);
+      if (warp == 0 && active) {
+        for (int w = 1; w < kWarpsPerBlock; ++w) {
+          const Best other = best_of[w][lane];
+          if (other.where >= 0 && takes_over(other.value, other.where, best.value, best.where)) {
+            best = other;
+          }
+        }
+        out[b * dim + d] = static_cast<out_t>(best.value);
+        argmax[b * dim + d] = static_cast<int32_t>(best.where);
+      }
+    } else {
+      ChunkSum mine;
+#pragma unroll 4  // loads in flight
+      for (int64_t c = warp; active && c < used; c += kWarpsPerBlock) {
+        mine.add(p[c * dim]);
+      }
+      share_lanes(mine.value(), sum_of);
+      if (warp == 0 && active) {
+        ChunkSum total;
+        for (int w = 0; w < kWarpsPerBlock; ++w) {
+          total.add(sum_of[w][lane]);
+        }
+        out[b * dim + d] = static_cast<out_t>(total.value());
       }
     }
-    out[i] = static_cast<out_t>(value);
-    argmax[i] = static_cast<int32_t>(where);
-  } else {
-    ChunkSum total;
-#pragma unroll 8
-    for (int64_t c = 0; c < used; ++c) {
-      total.add(p[c * dim]);
-    }
-    out[i] = static_cast<out_t>(total.value());
-  }
+  });
 }
 
 template <bool kMax, typename scalar_t, typename out_t>
@@ -254,7 +273,7 @@ void pool_forward(const Tensor& hidden, const RowSelection& selection, Tensor& o
     check_launch();
   });
   if (chunks.several()) {
-    combine_chunks<kMax, scalar_t, out_t><<<ceil_div(batch * dim, kThreads), kThreads, 0, stream()>>>(
+    combine_chunks<kMax, scalar_t, out_t><<<grid_for(combine_items(batch, dim), 1), kThreads, 0, stream()>>>(
         partial_data, partial_where_data, list.view(), batch, dim, chunks.view(), out.mutable_data_ptr<out_t>(),
         argmax_data);
     check_launch();

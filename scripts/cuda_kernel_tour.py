@@ -75,9 +75,11 @@ for seq_len in (100, 300):
     big = torch.full((2, seq_len, 64), 3e38, device="cuda", dtype=torch.bfloat16)
     big[1, ::2] *= -1
     run(lambda h: lmk_ops.attention_pool(h, None, torch.full((4, 16), 1e-38, device="cuda")), big)
-# An integer mask past one block's check (rows.cu: kOneBlockCheck), checked by a grid.
-run(lambda h: lmk_ops.mean_pool(h, torch.ones(70, 1000, dtype=torch.long, device="cuda")),
-    torch.randn(70, 1000, 8, device="cuda"))
+# Integer masks checked by one block in two rounds of loads, and past one block's check (rows.cu: kOneBlockCheck)
+# by a grid.
+for texts in (8, 70):
+    run(lambda h: lmk_ops.mean_pool(h, torch.ones(texts, 1000, dtype=torch.long, device="cuda")),
+        torch.randn(texts, 1000, 8, device="cuda"))
 # Packed offsets past one block's conversion (rows.cu: packed_offsets over a grid): 70000 texts of two rows, their
 # offsets int64 and then strided int32, and positions checked against their texts' lengths.
 pairs = torch.randn(140000, 8, device="cuda")

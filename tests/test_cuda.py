@@ -180,11 +180,16 @@ def _run_in_a_fresh_process(code):
     ("lmk_ops.max_pool(torch.randn(7, 8, device='cuda'), torch.tensor([1, 1, 2, 1, 1, 1, 1], device='cuda'), "
      "cu_seqlens=torch.tensor([0, 3, 7], device='cuda'))",
      "lmk_ops.max_pool: expected mask values 0 or 1, got 2 at [2]"),
+    # One block's check in two rounds of loads (rows.cu: check_in_one_block): of three bad values, the first named.
+    ("m = torch.ones(8, 1000, dtype=torch.long, device='cuda'); m[5, 2] = 2; m[3, 500] = -1; m[7, 999] = 5\n"
+     "lmk_ops.mean_pool(torch.randn(8, 1000, 8, device='cuda'), m)",
+     "lmk_ops.mean_pool: expected mask values 0 or 1, got -1 at [3, 500]"),
     # Past one block's check (rows.cu: kOneBlockCheck): searched by a grid, reported by a second kernel.
     ("m = torch.ones(70, 1000, dtype=torch.long, device='cuda'); m[69, 998] = 3; m[69, 999] = -1\n"
      "lmk_ops.mean_pool(torch.randn(70, 1000, 8, device='cuda'), m)",
      "lmk_ops.mean_pool: expected mask values 0 or 1, got 3 at [69, 998]"),
-], ids=["landmark_mean", "landmark_gather", "mean_pool", "packed max_pool", "mean_pool, a large mask"])
+], ids=["landmark_mean", "landmark_gather", "mean_pool", "packed max_pool", "mean_pool, three bad values",
+        "mean_pool, a large mask"])
 def test_bad_values_stop_the_stream_with_the_op_message_and_no_host_sync(code, message):
     # The value checks run on the device (no synchronisation, so the ops can be captured in CUDA graphs): the
     # message is printed by the device and the host sees a device-side assertion at its next synchronisation.

@@ -192,8 +192,9 @@ struct ValueRange {
   const int64_t* limits;
   int64_t cols;
 
-  __device__ __forceinline__ bool outside(const int64_t* values, int64_t i) const {
-    return values[i] < lo || values[i] > hi || (limits != nullptr && values[i] >= limits[i / cols]);
+  // Whether value, entry i of values, is outside.
+  __device__ __forceinline__ bool outside(int64_t value, int64_t i) const {
+    return value < lo || value > hi || (limits != nullptr && value >= limits[i / cols]);
   }
 };
 
@@ -201,7 +202,7 @@ struct ValueRange {
 // does not depend on the order of the threads); `first` starts at numel.
 __global__ void find_out_of_range(const int64_t* values, int64_t numel, ValueRange range, unsigned long long* first) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < numel; i += int64_t{gridDim.x} * blockDim.x) {
-    if (range.outside(values, i)) {
+    if (range.outside(values[i], i)) {
       atomicMin(first, static_cast<unsigned long long>(i));
     }
   }
@@ -238,10 +239,14 @@ __global__ void report_out_of_range(const int64_t* values, int64_t numel, int64_
   }
 }
 
-// Values up to this many are searched and reported by one block, in one launch (a mask of 64 x 512 is 128 entries a
-// thread), where find_out_of_range and report_out_of_range take three (with the fill of `first`): an integer
-// attention mask is checked on every call.
-constexpr int64_t kOneBlockCheck = int64_t{1} << 16;
+// Loads a thread of check_in_one_block has in flight at once.
+constexpr int kCheckLoads = 16;
+
+// Values up to this many are searched and reported by one block, in one launch, where find_out_of_range and
+// report_out_of_range take three (with the fill of `first`): an integer attention mask is checked on every call.
+// Four rounds of kCheckLoads loads a thread: each round waits once for memory. (It was 65536 values, 256 a thread
+// each waited for in turn: some 100 us of one SM for the 8 x 8192 int64 mask of the CUDA report's cases.)
+constexpr int64_t kOneBlockCheck = int64_t{4} * kCheckLoads * kThreads;
 
 // find_out_of_range and report_out_of_range in one block: the first entry outside range by a shared atomicMin.
 __global__ void __launch_bounds__(kThreads) check_in_one_block(const int64_t* values, int64_t numel, ValueRange range,
@@ -251,10 +256,21 @@ __global__ void __launch_bounds__(kThreads) check_in_one_block(const int64_t* va
     first = static_cast<unsigned long long>(numel);
   }
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < numel; i += blockDim.x) {
-    if (range.outside(values, i)) {
-      atomicMin(&first, static_cast<unsigned long long>(i));
-      break;  // this thread's later entries come after i
+  bool found = false;
+  for (int64_t base = threadIdx.x; !found && base < numel; base += int64_t{kCheckLoads} * blockDim.x) {
+    int64_t value[kCheckLoads];
+#pragma unroll
+    for (int u = 0; u < kCheckLoads; ++u) {
+      const int64_t i = base + int64_t{u} * blockDim.x;
+      value[u] = i < numel ? values[i] : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kCheckLoads; ++u) {
+      const int64_t i = base + int64_t{u} * blockDim.x;
+      if (!found && i < numel && range.outside(value[u], i)) {
+        atomicMin(&first, static_cast<unsigned long long>(i));
+        found = true;  // this thread's later entries come after i
+      }
     }
   }
   __syncthreads();
@@ -861,10 +877,10 @@ void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor
       checks->message(static_cast<OffsetCheck>(check)).copy(messages.text[check], sizeof(messages.text[check]) - 1);
     }
   }
-  // One block (one launch) for the usual batch, up to 16 offsets a thread (each a load the thread waits for); a
+  // One block (one launch) for the usual batch, up to 4 offsets a thread (each a load the thread waits for); a
   // larger one is spread over a grid, whose blocks leave their lowest failure in `failure` (starting at kNoFailure:
   // all bits set) for a second, one-thread launch to report.
-  const bool one_block = batch + 1 <= 16 * kThreads;
+  const bool one_block = batch + 1 <= 4 * kThreads;
   Tensor failure;
   if (!one_block && checks != nullptr) {
     failure = full_on(offsets, {1}, -1, ScalarType::Long);

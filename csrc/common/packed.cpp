@@ -32,13 +32,6 @@ std::string OffsetChecks::message(OffsetCheck check) const {
                                   " tokens long (the value is a text's length, the index its text's)");
 }
 
-Tensor sums_before(const Tensor& values) {
-  Tensor before = zeros_on(values, {values.size(0) + 1}, ScalarType::Long);
-  Tensor after_each = slice(before, 0, 1, values.size(0));
-  torch::stable::copy_(after_each, aten("aten::cumsum", "", values, int64_t{0}, std::optional(ScalarType::Long)));
-  return before;
-}
-
 Tensor PackedBatch::batch_view(const Tensor& hidden) const {
   return as_strided(hidden, {batch, tokens, hidden.size(1)}, {0, hidden.stride(0), hidden.stride(1)});
 }

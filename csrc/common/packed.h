@@ -14,10 +14,6 @@
 
 namespace lmk_ops {
 
-// The sum of values [n] (bool or integer) before each entry, and in all: [n + 1] int64 (for a mask, how many of its
-// entries before each are true).
-Tensor sums_before(const Tensor& values);
-
 struct PackedBatch {
   Tensor offsets;  // cu_seqlens as int64 [B + 1], contiguous
   Tensor starts;   // [B]: offsets[:-1], contiguous

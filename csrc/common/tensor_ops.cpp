@@ -87,14 +87,6 @@ Tensor clamp_min(const Tensor& a, double b) {
   return aten("aten::clamp_min", "Tensor", a, scalar_like(a, b));
 }
 
-Tensor differences(const Tensor& t) {
-  return aten("aten::diff", "", t, int64_t{1}, int64_t{0}, std::optional<Tensor>(), std::optional<Tensor>());
-}
-
-Tensor index_select(const Tensor& t, int64_t dim, const Tensor& index) {
-  return aten("aten::index_select", "", t, dim, index);
-}
-
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   return aten("aten::where", "self", cond, a, b);
 }

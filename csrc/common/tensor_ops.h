@@ -68,11 +68,6 @@ Tensor mul(const Tensor& a, const Tensor& b), mul(const Tensor& a, int64_t b);
 Tensor div(const Tensor& a, const Tensor& b), div(const Tensor& a, int64_t b);
 Tensor ge(const Tensor& a, const Tensor& b), ge(const Tensor& a, int64_t b);
 Tensor clamp_min(const Tensor& a, double b);
-// t[1:] - t[:-1] of a 1-D tensor: one kernel (an integer subtraction through the stable ABI, whose alpha is a
-// float64, takes four: ATen refuses a floating alpha for integer tensors, so it would go through float64).
-Tensor differences(const Tensor& t);
-// t's entries at index along dimension dim.
-Tensor index_select(const Tensor& t, int64_t dim, const Tensor& index);
 // cond ? a : b.
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
 

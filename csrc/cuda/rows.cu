@@ -137,12 +137,27 @@ __global__ void __launch_bounds__(kThreads) list_segments(Entries entries, int64
   }
 }
 
-// order[before[t]] = t for every true entry t of mask [n], before[t] counting the true entries ahead of it.
-__global__ void list_selected(const bool* mask, const int64_t* before, int64_t n, int64_t* order) {
-  for (int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; t < n; t += int64_t{gridDim.x} * blockDim.x) {
-    if (mask[t]) {
-      order[before[t]] = t;
+// A packed batch's texts in the list of its mask's true rows (order, in row order, *listed of them): where text b's
+// rows start in it and how many there are, the listed rows below each of its bounds found by binary search.
+__global__ void runs_in_list(const int64_t* order, const int64_t* listed, const int64_t* offsets, int64_t batch,
+                             int64_t* start, int64_t* count) {
+  const int64_t n = *listed;
+  const auto below = [&](int64_t row) {  // how many listed rows are less than row
+    int64_t lo = 0, hi = n;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (order[mid] < row) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
     }
+    return lo;
+  };
+  for (int64_t b = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; b < batch; b += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t first = below(offsets[b]);
+    start[b] = first;
+    count[b] = below(offsets[b + 1]) - first;
   }
 }
 
@@ -655,19 +670,25 @@ RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_le
     if (!selection.mask.defined()) {
       return {Tensor(), selection.lengths, selection.starts, 0, seq_len, seq_len, seq_len};
     }
-    // The true rows of the [T] mask in order are the texts' lists one after another (texts are consecutive runs).
+    // The true rows of the [T] mask in order, listed as one text's, are the texts' lists one after another (texts
+    // are consecutive runs); each text's start and count in it follow from its bounds. Two or three launches, where
+    // ATen's cumsum, index_select and diff with a fill and copies took some eight.
     const Tensor& mask = selection.mask;
-    const Tensor before = sums_before(mask);
-    Tensor order = empty_on(mask, {seq_len}, ScalarType::Long);
+    Tensor order = empty_on(mask, {1, seq_len}, ScalarType::Long);
+    Tensor listed = empty_on(mask, {1}, ScalarType::Long);
+    Tensor start = empty_on(mask, {batch}, ScalarType::Long), count = empty_on(mask, {batch}, ScalarType::Long);
     if (seq_len > 0) {
-      list_selected<<<grid_for(seq_len, kThreads), kThreads, 0, stream()>>>(
-          mask.const_data_ptr<bool>(), before.const_data_ptr<int64_t>(), seq_len, order.mutable_data_ptr<int64_t>());
+      list_entries(MaskEntries{mask.const_data_ptr<bool>(), seq_len}, 1, order, listed);
+    } else {
+      listed = zeros_on(mask, {1}, ScalarType::Long);
+    }
+    if (batch > 0) {
+      runs_in_list<<<grid_for(batch, kThreads), kThreads, 0, stream()>>>(
+          order.const_data_ptr<int64_t>(), listed.const_data_ptr<int64_t>(), selection.offsets.const_data_ptr<int64_t>(),
+          batch, start.mutable_data_ptr<int64_t>(), count.mutable_data_ptr<int64_t>());
       check_launch();
     }
-    // The selected rows before each text's bounds: where each text's list starts, and its count as the difference
-    // (two kernels; with integer subtractions, which go through float64, it took ten).
-    const Tensor at_bounds = index_select(before, 0, selection.offsets);
-    return {order, differences(at_bounds), slice(at_bounds, 0, 0, batch), 0, seq_len, seq_len, seq_len};
+    return {order, count, start, 0, seq_len, seq_len, seq_len};
   }
   if (selection.mask.defined()) {
     const Tensor& mask = selection.mask;

@@ -71,7 +71,6 @@ PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, c
   PackedBatch packed;
   packed.batch = cu_seqlens.size(0) - 1;
   packed.tokens = tokens;
-  packed.max_seqlen = max_seqlen;
   // starts is a tensor of its own rather than a view of offsets: a view costs as much as an allocation, a
   // measurable share of a first_token_pool call on the CPU.
   packed.offsets = empty_on(cu_seqlens, {packed.batch + 1}, ScalarType::Long);

@@ -20,7 +20,6 @@ struct PackedBatch {
   Tensor lengths;  // [B]: offsets[1:] - offsets[:-1], contiguous
   int64_t batch = 0;
   int64_t tokens = 0;  // T
-  std::optional<int64_t> max_seqlen;
 
   // hidden [T, D] as [B, T, D] with batch stride 0: the input of the padded kernels for absolute row lists.
   Tensor batch_view(const Tensor& hidden) const;

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -383,14 +382,15 @@ void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor
   if (o[batch] != checks->tokens) {
     ::lmk_ops::fail(checks->message(OffsetCheck::kLast), ", got ", o[batch]);
   }
-  for (const OffsetCheck check : {OffsetCheck::kOrder, OffsetCheck::kLongest}) {
-    const int64_t lo = check == OffsetCheck::kOrder ? 0 : std::numeric_limits<int64_t>::min();
-    const int64_t hi = check == OffsetCheck::kOrder ? std::numeric_limits<int64_t>::max() : checks->longest;
-    for (int64_t b = 0; b < batch; ++b) {
-      if (n[b] < lo || n[b] > hi) {
-        ::lmk_ops::fail(checks->message(check), ", got ", n[b], " at [", b, "]");
-      }
-    }
+  // A negative length anywhere is named before a text longer than max_seqlen (OffsetCheck's order).
+  const int64_t *const first = n, *const end = n + batch;
+  const int64_t* bad = std::find_if(first, end, [](int64_t length) { return length < 0; });
+  if (bad != end) {
+    ::lmk_ops::fail(checks->message(OffsetCheck::kOrder), ", got ", *bad, " at [", bad - first, "]");
+  }
+  bad = std::find_if(first, end, [&](int64_t length) { return length > checks->longest; });
+  if (bad != end) {
+    ::lmk_ops::fail(checks->message(OffsetCheck::kLongest), ", got ", *bad, " at [", bad - first, "]");
   }
 }
 

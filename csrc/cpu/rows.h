@@ -1,7 +1,7 @@
 #pragma once
 // CPU kernels that write whole rows (the mean backward and landmark gather, forward and backward), the value
-// check, and the row bookkeeping of first/last-token pooling and packed batches (their offsets too). Plain loops over rows with
-// memcpy/memset: compiled once, not per CPU capability. Documented in common/kernel_types.h.
+// check, and the row bookkeeping of first/last-token pooling and packed batches (their offsets too). Plain loops
+// over rows with memcpy/memset: compiled once, not per CPU capability. Documented in common/kernel_types.h.
 #include <string>
 
 #include "cpu/kernel_types.h"

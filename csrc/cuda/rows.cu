@@ -684,8 +684,9 @@ RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_le
     }
     if (batch > 0) {
       runs_in_list<<<grid_for(batch, kThreads), kThreads, 0, stream()>>>(
-          order.const_data_ptr<int64_t>(), listed.const_data_ptr<int64_t>(), selection.offsets.const_data_ptr<int64_t>(),
-          batch, start.mutable_data_ptr<int64_t>(), count.mutable_data_ptr<int64_t>());
+          order.const_data_ptr<int64_t>(), listed.const_data_ptr<int64_t>(),
+          selection.offsets.const_data_ptr<int64_t>(), batch, start.mutable_data_ptr<int64_t>(),
+          count.mutable_data_ptr<int64_t>());
       check_launch();
     }
     return {order, count, start, 0, seq_len, seq_len, seq_len};

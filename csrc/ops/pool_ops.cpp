@@ -39,7 +39,8 @@ Tensor mean_pool_backward(
   if (cu_seqlens.has_value()) {
     const PackedBatch packed = prepare_packed_grad(op, grad, seq_len, *cu_seqlens);
     const Tensor valid = prepare_packed_mask(op, mask, packed, grad, Values::kTrusted);
-    return packed_mean_backward(grad, packed, packed.selection(valid), packed.selection(valid), dtype);
+    const RowSelection rows = packed.selection(valid);
+    return packed_mean_backward(grad, packed, rows, rows, dtype);
   }
   const RowSelection rows{prepare_mask(op, mask, grad.size(0), seq_len, grad, Values::kTrusted), Tensor()};
   return mean_of_rows_backward(grad, rows, seq_len, dtype);
@@ -128,8 +129,7 @@ Tensor valid_mask(const Tensor& mask, std::string op) {
 
 Tensor packed_offsets(const Tensor& cu_seqlens, int64_t tokens, std::optional<int64_t> max_seqlen, std::string op) {
   LMK_CHECK(tokens >= 0, "lmk_ops.", op, ": expected T >= 0 rows, got ", tokens);
-  const PackedBatch packed = prepare_packed(op.c_str(), tokens, cu_seqlens, cu_seqlens, max_seqlen);
-  return fresh(packed.offsets, cu_seqlens);
+  return prepare_packed(op.c_str(), tokens, cu_seqlens, cu_seqlens, max_seqlen).offsets;  // a new tensor
 }
 
 void register_pool_ops(torch::stable::detail::StableLibrary& m) {

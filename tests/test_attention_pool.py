@@ -65,6 +65,33 @@ def test_matches_reference(case, device):
         assert torch.equal(t, b), "an input tensor was modified"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("packed", [False, True])
+def test_statistics_of_every_text_written_by_the_kernels(device, packed):
+    """The op's statistics {max score, sum of exp(score - max)}: {-inf, -inf} for a text with no valid row, written by
+    the kernels (nothing fills them first), and the softmax's own for the others, on texts of one chunk and of
+    several (300 rows), with two heads across two feature blocks."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = [5, 0, 300, 1, 0]
+    hidden = torch.randn(sum(lengths), 64, generator=gen, dtype=torch.float64).to(device)
+    query = torch.randn(2, 32, generator=gen, dtype=torch.float64).to(device)
+    offsets = torch.tensor([0, 5, 5, 305, 306, 306], device=device)
+    if packed:
+        _, stats, _ = torch.ops.lmk_ops.attention_pool(hidden, None, query, None, False, offsets, None)
+    else:
+        padded, valid, _, _ = reference.padded_view(hidden, None, offsets)
+        _, stats, _ = torch.ops.lmk_ops.attention_pool(padded, valid, query, None, False, None, None)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            assert torch.equal(stats[b].cpu(), torch.full((2, 2), -torch.inf, dtype=torch.float64)), stats[b]
+            continue
+        rows = hidden[offsets[b]:offsets[b + 1]].reshape(n, 2, 32)
+        scores = torch.einsum("lhd,hd->hl", rows, query) * 32 ** -0.5
+        best = scores.max(dim=1).values
+        torch.testing.assert_close(stats[b, :, 0], best, rtol=1e-12, atol=0)
+        torch.testing.assert_close(stats[b, :, 1], (scores - best[:, None]).exp().sum(dim=1), rtol=1e-12, atol=0)
+
+
 # Heads of 96, 48 and 16 features are read in pair order in bfloat16 with AVX2 (bf16_pairs.h: 6, 3 and 1 blocks of
 # 16), those of 24, 12 and 8 features not.
 @pytest.mark.parametrize("heads", [1, 2, 4, 6, 8, 12])

@@ -99,9 +99,9 @@ struct Kernels {
   void (*gather_backward)(const Tensor& grad, const Tensor& positions, Tensor& grad_hidden);
   // Attention pooling. hidden [B, L, D] with any strides; rows as AttentionRows says (bool tensors contiguous);
   // query [H, D / H] contiguous in the accumulation type. Writes every element of out [B, D] (hidden's dtype), the
-  // softmax statistics stats [B, H, 2] (float64 {max score, sum of exp(score - max)}) of every text with a valid
-  // row (the caller fills them with -inf first) and, when weights ([B, H, L], packed [H, T]; accumulation type,
-  // zero-filled, contiguous) is defined, the probabilities of the valid rows.
+  // softmax statistics stats [B, H, 2] (float64 {max score, sum of exp(score - max)}) of every text, {-inf, -inf}
+  // for a text with no valid row, and, when weights ([B, H, L], packed [H, T]; accumulation type, zero-filled,
+  // contiguous) is defined, the probabilities of the valid rows.
   void (*attention_forward)(const Tensor& hidden, const AttentionRows& rows, const Tensor& query,
                             double scale, Tensor& out, Tensor& stats, Tensor& weights);
   // grad [B, D], grad_weights (shaped as the weights, or undefined) and out [B, D] (the forward's output)

@@ -942,8 +942,9 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
       reducer.resum_if_overflowed(block, sl, sd, chunk_rows);
     }
     if (list.rows(b) <= kChunkRows) {  // the text's only chunk: finish it here
-      if (count == 0) {                // a text with no valid row: zeros, and its -inf statistics
+      if (count == 0) {                // a text with no valid row: zeros, and -inf statistics
         std::fill_n(o + b * dim + d0, n, scalar_t(0));
+        std::fill_n(all_stats + (b * heads + h0) * 2, 2 * block_heads, -std::numeric_limits<double>::infinity());
         return;
       }
       double* mean = thread_scratch<double, 2>(n);

@@ -445,10 +445,10 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   if (me.leader) {
-    if (n <= kChunkRows && n > 0) {
-      stats[(b * heads + me.head) * 2] = best;
-      stats[(b * heads + me.head) * 2 + 1] = sum_total;
-    } else if (n > kChunkRows) {
+    if (n <= kChunkRows) {  // the text's only chunk; a text with no valid row gets -inf statistics
+      stats[(b * heads + me.head) * 2] = n == 0 ? -std::numeric_limits<double>::infinity() : best;
+      stats[(b * heads + me.head) * 2 + 1] = n == 0 ? -std::numeric_limits<double>::infinity() : sum_total;
+    } else {
       part_max[part * heads + me.head] = best;
       part_sum[part * heads + me.head] = static_cast<acc>(sum_total);
     }

@@ -32,14 +32,16 @@ std::tuple<Tensor, Tensor, Tensor> attention_forward(const Tensor& hidden, const
                                                      bool return_weights) {
   const int64_t batch = hidden.size(0), seq_len = hidden.size(1), dim = hidden.size(2);
   const ScalarType acc = acc_dtype(hidden.scalar_type());
-  Tensor stats =
-      full_on(hidden, {batch, heads.count, 2}, -std::numeric_limits<double>::infinity(), ScalarType::Double);
+  const std::vector<int64_t> stats_shape{batch, heads.count, 2};
   const std::vector<int64_t> weights_shape =
       rows.packed() ? std::vector<int64_t>{heads.count, seq_len} : std::vector<int64_t>{batch, heads.count, seq_len};
   Tensor weights = return_weights ? zeros_on(hidden, weights_shape, acc) : empty_on(hidden, {0}, acc);
-  if (batch == 0 || seq_len == 0) {
-    return {zeros_on(hidden, {batch, dim}, hidden.scalar_type()), stats, weights};
+  if (batch == 0 || seq_len == 0) {  // no text has a valid row
+    return {zeros_on(hidden, {batch, dim}, hidden.scalar_type()),
+            full_on(hidden, stats_shape, -std::numeric_limits<double>::infinity(), ScalarType::Double), weights};
   }
+  // The kernels write every text's statistics, -inf for a text with no valid row.
+  Tensor stats = empty_on(hidden, stats_shape, ScalarType::Double);
   Tensor out = empty_on(hidden, {batch, dim}, hidden.scalar_type());
   Tensor kernel_weights = return_weights ? weights : Tensor();
   kernels_for(hidden).attention_forward(hidden, rows, wide_query(query, heads, acc), scale, out, stats,

@@ -17,8 +17,8 @@ using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float
 // Which rows of each text an op reduces; produced by the input checks, consumed by the kernels. Every row (all
 // undefined), the rows where a contiguous bool [B, L] mask is true, the rows listed in contiguous int64 [B, K]
 // positions (-1 entries skipped; the others checked to lie in [0, L); a repeated position counts as often as it is
-// listed), or runs: text b's rows are [starts[b], starts[b] + lengths[b]) (contiguous int64 [B]; a packed batch's
-// texts), every row of them, or with mask a contiguous bool [T], the rows where it is true. (Not a [B, K] list of
+// listed), or runs: text b's rows are [starts[b], starts[b] + lengths[b]) (contiguous int64, [B] or longer: a
+// packed batch's texts, whose starts are its offsets), every row of them, or with mask a contiguous bool [T], the rows where it is true. (Not a [B, K] list of
 // a packed batch's rows: that takes B times the longest text's room.)
 using Tensor = torch::stable::Tensor;
 
@@ -93,7 +93,10 @@ struct Kernels {
   // text b's position t - offsets[b], where offsets[b] <= t < offsets[b + 1].
   void (*max_backward)(const Tensor& grad, const Tensor& argmax, const Tensor& offsets, Tensor& grad_hidden);
   // positions [B, K] contiguous int64 (-1 or in [0, L)); out [B, K, D] contiguous, zero rows for -1. K may be 0.
-  void (*gather_forward)(const Tensor& hidden, const Tensor& positions, Tensor& out);
+  // hidden is [B, L, D] (starts undefined), or a packed batch's [T, D] with starts its offsets (int64 [B + 1]
+  // contiguous), positions then counted from each text's start: text b's position l is row starts[b] + l. (A
+  // [B, T, D] view and absolute rows would each cost a small call as much as an allocation.)
+  void (*gather_forward)(const Tensor& hidden, const Tensor& positions, const Tensor& starts, Tensor& out);
   // grad [B, K, D] contiguous; every row of grad_hidden [B, L, D] (contiguous) written: the sum of the grad rows
   // listing it, in k order in the accumulation type, rounded once (zero when none does).
   void (*gather_backward)(const Tensor& grad, const Tensor& positions, Tensor& grad_hidden);
@@ -111,25 +114,24 @@ struct Kernels {
                              const AttentionRows& rows, const Tensor& query, const Tensor& out,
                              const Tensor& stats, double scale, Tensor& grad_hidden, Tensor& grad_query);
   // The valid rows of each text, for first/last-token pooling and landmark positions. The B texts are runs of rows
-  // [starts[b], starts[b] + lengths[b]) (starts, lengths int64 [B] contiguous), or where those are undefined a
+  // [starts[b], starts[b] + lengths[b]) (starts int64 [B] or longer, lengths int64 [B], contiguous), or where those are undefined a
   // padded batch's, [b * seq_len, (b + 1) * seq_len). valid: bool over the rows, contiguous, or undefined for every
   // row. Writes positions, int64 [B, K] contiguous (K >= 0): each text's first K valid rows in order (with last, its
-  // last K, the last first) as positions from the text's start, -1 past its valid rows; found (int64 [B, K], or
-  // undefined) the same rows of the batch; counts (int64 [B], or undefined) how many valid rows each text has. B
-  // may be 0. Without counts a text's scan stops at its K-th valid row (the usual text starts with a valid token).
+  // last K, the last first) as positions from the text's start, -1 past its valid rows; counts (int64 [B], or
+  // undefined) how many valid rows each text has. B may be 0. Without counts a text's scan stops at its K-th valid row (the usual text starts with a valid token).
   void (*find_rows)(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t batch, int64_t seq_len,
-                    bool last, Tensor& found, Tensor& positions, Tensor& counts);
+                    bool last, Tensor& positions, Tensor& counts);
   // Row numbers moved between a text's own and the batch's: values [B, W] contiguous, int32 or int64; starts int64
-  // [B]. out (values' dtype and shape, contiguous; may be values itself) = values + sign * starts[b] where values >=
+  // [B] (or longer). out (values' dtype and shape, contiguous; may be values itself) = values + sign * starts[b] where values >=
   // 0, else -1. One pass: ATen's integer subtraction through the stable ABI is four kernels (it goes by float64).
   void (*shift_rows)(const Tensor& values, const Tensor& starts, int64_t sign, Tensor& out);
-  // A packed batch's cu_seqlens [B + 1] (int32 or int64, any stride) as int64 offsets [B + 1], starts [B]
-  // (offsets[b]) and lengths [B] (offsets[b + 1] - offsets[b]), all contiguous; B may be 0. With checks (else
+  // A packed batch's cu_seqlens [B + 1] (int32 or int64, any stride) as int64 offsets [B + 1] (whose first B
+  // entries are the texts' starts) and lengths [B] (offsets[b + 1] - offsets[b]), both contiguous; B may be 0. With
+  // checks (else
   // null), the first check that fails (OffsetChecks' order, then the lowest b) is "<its message>, got V": raised at
   // once on the CPU, on CUDA printed by a device-side assertion, without synchronising. One pass, where the cast,
   // the differences and a check_range per condition took some eight kernel launches on CUDA.
-  void (*packed_offsets)(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor& offsets, Tensor& starts,
-                         Tensor& lengths);
+  void (*packed_offsets)(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor& offsets, Tensor& lengths);
 };
 
 }  // namespace lmk_ops

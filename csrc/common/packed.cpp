@@ -41,17 +41,17 @@ Tensor PackedBatch::absolute(const Tensor& positions) const {
   // A copy that as_contiguous made is shifted in place; the caller's positions are never written.
   Tensor rows = values.data_ptr() == positions.data_ptr() ? empty_on(values, values.sizes(), values.scalar_type())
                                                           : values;
-  kernels_for(values).shift_rows(values, starts, 1, rows);
+  kernels_for(values).shift_rows(values, offsets, 1, rows);
   return rows;
 }
 
 Tensor PackedBatch::relative(Tensor rows) const {
-  kernels_for(rows).shift_rows(rows, starts, -1, rows);
+  kernels_for(rows).shift_rows(rows, offsets, -1, rows);
   return rows;
 }
 
 RowSelection PackedBatch::selection(const Tensor& selected) const {
-  return {selected, Tensor(), starts, lengths, offsets};
+  return {selected, Tensor(), offsets, lengths, offsets};
 }
 
 PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, const Tensor& cu_seqlens,
@@ -71,14 +71,13 @@ PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, c
   PackedBatch packed;
   packed.batch = cu_seqlens.size(0) - 1;
   packed.tokens = tokens;
-  // starts is a tensor of its own rather than a view of offsets: a view costs as much as an allocation, a
-  // measurable share of a first_token_pool call on the CPU.
+  // The kernels read the texts' starts as the offsets' first B entries: a tensor of starts, or a view of the
+  // offsets, costs an allocation, a measurable share of a first_token_pool call on the CPU.
   packed.offsets = empty_on(cu_seqlens, {packed.batch + 1}, ScalarType::Long);
-  packed.starts = empty_on(cu_seqlens, {packed.batch}, ScalarType::Long);
   packed.lengths = empty_on(cu_seqlens, {packed.batch}, ScalarType::Long);
   const OffsetChecks checks{op, tokens_are, tokens, max_seqlen.value_or(std::numeric_limits<int64_t>::max())};
   kernels_for(like).packed_offsets(cu_seqlens, values == Values::kCheck ? &checks : nullptr, packed.offsets,
-                                   packed.starts, packed.lengths);
+                                   packed.lengths);
   return packed;
 }
 
@@ -111,19 +110,24 @@ Tensor prepare_packed_mask(const char* op, const std::optional<Tensor>& mask, co
   return mask_as_bool(op, *mask, values);
 }
 
-Tensor prepare_packed_positions(const char* op, const Tensor& positions, const PackedBatch& packed,
-                                const Tensor& like, Values values) {
+Tensor check_packed_positions(const char* op, const Tensor& positions, const PackedBatch& packed, const Tensor& like,
+                              Values values) {
   // Shape, dtype and device as for the padded positions; the range is each text's own length.
   const Tensor p = prepare_positions(op, positions, packed.batch, std::numeric_limits<int64_t>::max(), like,
-                                         Values::kTrusted);
+                                     Values::kTrusted);
   if (values == Values::kCheck && p.numel() > 0) {  // -1 or below the text's length
     kernels_for(like).check_range(
-        as_contiguous(p), -1, std::numeric_limits<int64_t>::max(), packed.lengths,
+        p, -1, std::numeric_limits<int64_t>::max(), packed.lengths,
         message(op, "expected landmark positions in [0, length of their text) (counted from the text's start in "
                     "cu_seqlens) or -1 for none"),
         EntryName::kLandmarks);
   }
-  return packed.absolute(p);
+  return p;
+}
+
+Tensor prepare_packed_positions(const char* op, const Tensor& positions, const PackedBatch& packed,
+                                const Tensor& like, Values values) {
+  return packed.absolute(check_packed_positions(op, positions, packed, like, values));
 }
 
 Tensor prepare_packed_landmark_mask(const char* op, const Tensor& landmarks, const PackedBatch& packed,

@@ -15,8 +15,7 @@
 namespace lmk_ops {
 
 struct PackedBatch {
-  Tensor offsets;  // cu_seqlens as int64 [B + 1], contiguous
-  Tensor starts;   // [B]: offsets[:-1], contiguous
+  Tensor offsets;  // cu_seqlens as int64 [B + 1], contiguous: its first B entries are the texts' starts
   Tensor lengths;  // [B]: offsets[1:] - offsets[:-1], contiguous
   int64_t batch = 0;
   int64_t tokens = 0;  // T
@@ -63,7 +62,11 @@ RowSelection prepare_packed_landmarks(const char* op, const Tensor& landmarks, c
 Tensor prepare_packed_landmark_mask(const char* op, const Tensor& landmarks, const PackedBatch& packed,
                                         const Tensor& like);
 
-// Positions [B, K] counted from each text's start: int64, -1 or inside their own text; returned absolute.
+// Positions [B, K] counted from each text's start: int64, -1 or inside their own text; returned contiguous.
+Tensor check_packed_positions(const char* op, const Tensor& positions, const PackedBatch& packed, const Tensor& like,
+                              Values values = Values::kCheck);
+
+// check_packed_positions, returned as absolute rows of hidden.
 Tensor prepare_packed_positions(const char* op, const Tensor& positions, const PackedBatch& packed,
                                     const Tensor& like, Values values = Values::kCheck);
 

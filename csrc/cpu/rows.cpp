@@ -66,12 +66,14 @@ void write_weighted_rows(const Tensor& scaled_wide, const times_t* times, const 
   });
 }
 
-// out[b, k] = hidden[b, positions[b, k]], zeros where the position is -1. Split over (b, k) rows: each output row
-// is written once (a memcpy when hidden's features are contiguous).
+// out[b, k] = hidden[b, positions[b, k]] (packed: hidden[starts[b] + positions[b, k]]), zeros where the position is
+// -1. Split over (b, k) rows: each output row is written once (a memcpy when hidden's features are contiguous).
 template <typename scalar_t>
-void gather_rows(const Tensor& hidden, const Tensor& positions, Tensor& out) {
-  const int64_t listed = positions.size(1), dim = hidden.size(2);
-  const int64_t sb = hidden.stride(0), sl = hidden.stride(1), sd = hidden.stride(2);
+void gather_rows(const Tensor& hidden, const Tensor& positions, const Tensor& starts, Tensor& out) {
+  const int64_t* first = starts.defined() ? starts.const_data_ptr<int64_t>() : nullptr;  // packed: hidden [T, D]
+  const int64_t listed = positions.size(1), dim = hidden.size(first != nullptr ? 1 : 2);
+  const int64_t sb = first != nullptr ? 0 : hidden.stride(0), sl = hidden.stride(first != nullptr ? 0 : 1),
+                sd = hidden.stride(first != nullptr ? 1 : 2);
   const scalar_t* h = hidden.const_data_ptr<scalar_t>();
   const int64_t* p = positions.const_data_ptr<int64_t>();
   scalar_t* o = out.mutable_data_ptr<scalar_t>();
@@ -84,7 +86,8 @@ void gather_rows(const Tensor& hidden, const Tensor& positions, Tensor& out) {
         std::memset(dst, 0, dim * sizeof(scalar_t));
         continue;
       }
-      const scalar_t* src = h + (row / listed) * sb + l * sl;
+      const int64_t b = row / listed;
+      const scalar_t* src = h + b * sb + (first != nullptr ? first[b] + l : l) * sl;
       if (sd == 1) {
         std::memcpy(dst, src, dim * sizeof(scalar_t));
       } else {
@@ -293,9 +296,9 @@ void mean_backward(const Tensor& scaled, const RowSelection& rows, Tensor& grad_
   });
 }
 
-void gather_forward(const Tensor& hidden, const Tensor& positions, Tensor& out) {
+void gather_forward(const Tensor& hidden, const Tensor& positions, const Tensor& starts, Tensor& out) {
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "landmark_gather",
-                        [&] { gather_rows<scalar_t>(hidden, positions, out); });
+                        [&] { gather_rows<scalar_t>(hidden, positions, starts, out); });
 }
 
 void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_hidden) {
@@ -307,12 +310,11 @@ void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_h
 }
 
 void find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t batch, int64_t seq_len,
-               bool last, Tensor& found, Tensor& positions, Tensor& counts) {
+               bool last, Tensor& positions, Tensor& counts) {
   const bool* v = valid.defined() ? valid.const_data_ptr<bool>() : nullptr;
   const int64_t* s = starts.defined() ? starts.const_data_ptr<int64_t>() : nullptr;
   const int64_t* n = lengths.defined() ? lengths.const_data_ptr<int64_t>() : nullptr;
   const int64_t width = positions.size(1);
-  int64_t* row_out = found.defined() ? found.mutable_data_ptr<int64_t>() : nullptr;
   int64_t* position_out = positions.mutable_data_ptr<int64_t>();
   int64_t* count_out = counts.defined() ? counts.mutable_data_ptr<int64_t>() : nullptr;
   for (int64_t b = 0; b < batch; ++b) {
@@ -323,18 +325,12 @@ void find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths,
       if (v == nullptr || v[start + position]) {
         if (seen < width) {
           position_out[b * width + seen] = position;
-          if (row_out != nullptr) {
-            row_out[b * width + seen] = start + position;
-          }
         }
         ++seen;
       }
     }
     for (int64_t k = std::min(seen, width); k < width; ++k) {
       position_out[b * width + k] = -1;
-      if (row_out != nullptr) {
-        row_out[b * width + k] = -1;
-      }
     }
     if (count_out != nullptr) {
       count_out[b] = seen;
@@ -357,18 +353,15 @@ void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, Tensor
   });
 }
 
-void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor& offsets, Tensor& starts,
-                    Tensor& lengths) {
-  const int64_t batch = starts.size(0), stride = cu_seqlens.stride(0);  // read once: a call into libtorch each
+void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor& offsets, Tensor& lengths) {
+  const int64_t batch = lengths.size(0), stride = cu_seqlens.stride(0);  // read once: a call into libtorch each
   int64_t* o = offsets.mutable_data_ptr<int64_t>();
-  int64_t* s = starts.mutable_data_ptr<int64_t>();
   int64_t* n = lengths.mutable_data_ptr<int64_t>();
   LMK_DISPATCH_INDEX(cu_seqlens.scalar_type(), "packed_offsets", [&] {
     const index_t* c = cu_seqlens.const_data_ptr<index_t>();
     for (int64_t b = 0; b <= batch; ++b) {
       o[b] = c[b * stride];
       if (b > 0) {
-        s[b - 1] = o[b - 1];
         n[b - 1] = o[b] - o[b - 1];
       }
     }

@@ -448,13 +448,13 @@ __global__ void __launch_bounds__(kThreads) max_backward_kernel(const scalar_t* 
 // out[b, k] = hidden[b, positions[b, k]], zeros for -1.
 template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kThreads) gather_kernel(const scalar_t* hidden, int64_t sb, int64_t sl, int64_t sd,
-                                                          const int64_t* positions, int64_t batch, int64_t listed,
-                                                          int64_t dim, scalar_t* out) {
+                                                          const int64_t* positions, const int64_t* starts,
+                                                          int64_t batch, int64_t listed, int64_t dim, scalar_t* out) {
   const int lane = threadIdx.x % 32;
   const int64_t packs = dim / VEC;
   for_each_warp_row(batch * listed, [&](int64_t row) {
-    const int64_t l = positions[row];
-    const scalar_t* src = hidden + (row / listed) * sb + l * sl;
+    const int64_t l = positions[row], b = row / listed;
+    const scalar_t* src = hidden + b * sb + (starts != nullptr ? starts[b] + l : l) * sl;
     for (int64_t v = lane; v < packs; v += 32) {
       Pack<scalar_t, VEC> p;
       if (l < 0) {
@@ -531,7 +531,7 @@ std::pair<Tensor, Tensor> invert_positions(const Tensor& positions, int64_t seq_
 // unless counts are asked for.
 __global__ void __launch_bounds__(kThreads)
     find_rows_kernel(const bool* valid, const int64_t* starts, const int64_t* lengths, int64_t batch, int64_t seq_len,
-                     bool last, int64_t width, int64_t* found, int64_t* positions, int64_t* counts) {
+                     bool last, int64_t width, int64_t* positions, int64_t* counts) {
   const int lane = threadIdx.x % 32;
   for_each_warp_row(batch, [&](int64_t b) {
     const int64_t start = starts != nullptr ? starts[b] : b * seq_len;
@@ -544,17 +544,11 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t rank = seen + __popc(hits & ((1u << lane) - 1u));
       if (hit && rank < width) {
         positions[b * width + rank] = at;
-        if (found != nullptr) {
-          found[b * width + rank] = start + at;
-        }
       }
       seen += __popc(hits);
     }
     for (int64_t k = std::min(seen, width) + lane; k < width; k += 32) {
       positions[b * width + k] = -1;
-      if (found != nullptr) {
-        found[b * width + k] = -1;
-      }
     }
     if (lane == 0 && counts != nullptr) {
       counts[b] = seen;
@@ -606,13 +600,13 @@ __device__ void report_offsets(const index_t* cu, int64_t stride, int64_t batch,
   __assert_fail("lmk_ops input check (see the message above)", __FILE__, __LINE__, __func__);
 }
 
-// packed_offsets: offsets, starts and lengths from cu (grid-stride) and, where bounds.check, the lowest failure
+// packed_offsets: offsets and lengths from cu (grid-stride) and, where bounds.check, the lowest failure
 // key, found per block by a shared atomicMin; a lone block (failure null) reports it itself, blocks of a larger
 // grid leave it in *failure for report_offsets_failure.
 template <typename index_t>
 __global__ void __launch_bounds__(kThreads)
     convert_offsets(const index_t* cu, int64_t stride, int64_t batch, OffsetBounds bounds, int64_t* offsets,
-                    int64_t* starts, int64_t* lengths, unsigned long long* failure, OffsetMessages messages) {
+                    int64_t* lengths, unsigned long long* failure, OffsetMessages messages) {
   __shared__ unsigned long long lowest;
   if (threadIdx.x == 0) {
     lowest = kNoFailure;
@@ -624,7 +618,6 @@ __global__ void __launch_bounds__(kThreads)
     offsets[b] = at;
     if (b < batch) {
       const int64_t length = static_cast<int64_t>(cu[(b + 1) * stride]) - at;
-      starts[b] = at;
       lengths[b] = length;
       if (length < 0) {
         mine = min(mine, failure_key(OffsetCheck::kOrder, b, batch));
@@ -825,17 +818,19 @@ void max_backward(const Tensor& grad, const Tensor& argmax, const Tensor& offset
   });
 }
 
-void gather_forward(const Tensor& hidden, const Tensor& positions, Tensor& out) {
+void gather_forward(const Tensor& hidden, const Tensor& positions, const Tensor& starts, Tensor& out) {
   const auto guard = on_device_of(hidden);
   const int64_t batch = out.size(0), listed = out.size(1), dim = out.size(2);
   if (out.numel() == 0) {
     return;
   }
+  const bool packed = starts.defined();  // hidden [T, D] (Kernels::gather_forward)
   LMK_DISPATCH_FLOATING(hidden.scalar_type(), "landmark_gather", [&] {
     with_vector_width<scalar_t>(vector_width<scalar_t>(hidden), [&]<int VEC>() {
       gather_kernel<scalar_t, VEC><<<grid_for(batch * listed, kWarpsPerBlock), kThreads, 0, stream()>>>(
-          hidden.const_data_ptr<scalar_t>(), hidden.stride(0), hidden.stride(1), hidden.stride(2),
-          positions.const_data_ptr<int64_t>(), batch, listed, dim, out.mutable_data_ptr<scalar_t>());
+          hidden.const_data_ptr<scalar_t>(), packed ? 0 : hidden.stride(0), hidden.stride(packed ? 0 : 1),
+          hidden.stride(packed ? 1 : 2), positions.const_data_ptr<int64_t>(),
+          packed ? starts.const_data_ptr<int64_t>() : nullptr, batch, listed, dim, out.mutable_data_ptr<scalar_t>());
       check_launch();
     });
   });
@@ -858,7 +853,7 @@ void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_h
 }
 
 void find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t batch, int64_t seq_len,
-               bool last, Tensor& found, Tensor& positions, Tensor& counts) {
+               bool last, Tensor& positions, Tensor& counts) {
   const auto guard = on_device_of(positions);
   if (batch == 0) {
     return;
@@ -867,7 +862,7 @@ void find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths,
       valid.defined() ? valid.const_data_ptr<bool>() : nullptr,
       starts.defined() ? starts.const_data_ptr<int64_t>() : nullptr,
       lengths.defined() ? lengths.const_data_ptr<int64_t>() : nullptr, batch, seq_len, last, positions.size(1),
-      found.defined() ? found.mutable_data_ptr<int64_t>() : nullptr, positions.mutable_data_ptr<int64_t>(),
+      positions.mutable_data_ptr<int64_t>(),
       counts.defined() ? counts.mutable_data_ptr<int64_t>() : nullptr);
   check_launch();
 }
@@ -886,10 +881,9 @@ void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, Tensor
   });
 }
 
-void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor& offsets, Tensor& starts,
-                    Tensor& lengths) {
+void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor& offsets, Tensor& lengths) {
   const auto guard = on_device_of(offsets);
-  const int64_t batch = starts.size(0);
+  const int64_t batch = lengths.size(0);
   OffsetBounds bounds{0, std::numeric_limits<int64_t>::max(), checks != nullptr};
   OffsetMessages messages{};
   if (checks != nullptr) {
@@ -913,8 +907,8 @@ void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor
   LMK_DISPATCH_INDEX(cu_seqlens.scalar_type(), "packed_offsets", [&] {
     const index_t* cu = cu_seqlens.const_data_ptr<index_t>();
     convert_offsets<index_t><<<one_block ? 1 : grid_for(batch + 1, kThreads), kThreads, 0, stream()>>>(
-        cu, stride, batch, bounds, offsets.mutable_data_ptr<int64_t>(), starts.mutable_data_ptr<int64_t>(),
-        lengths.mutable_data_ptr<int64_t>(), failure_data, messages);
+        cu, stride, batch, bounds, offsets.mutable_data_ptr<int64_t>(), lengths.mutable_data_ptr<int64_t>(),
+        failure_data, messages);
     check_launch();
     if (failure_data != nullptr) {
       report_offsets_failure<index_t><<<1, 1, 0, stream()>>>(cu, stride, batch, failure_data, messages);

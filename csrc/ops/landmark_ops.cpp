@@ -58,19 +58,18 @@ Tensor landmark_mean_backward(const Tensor& grad, const Tensor& landmarks, int64
 Tensor landmark_gather(const Tensor& hidden, const Tensor& positions,
                        const std::optional<Tensor>& cu_seqlens) {
   constexpr const char* op = "landmark_gather";
-  Tensor view, p;
+  Tensor p, starts;  // starts: a packed batch's offsets, which the gather adds to the positions
   if (cu_seqlens.has_value()) {
     const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, std::nullopt);
-    p = prepare_packed_positions(op, positions, packed, hidden);
-    view = packed.batch_view(hidden);
+    p = check_packed_positions(op, positions, packed, hidden);
+    starts = packed.offsets;
   } else {
     check_hidden(op, hidden);
     p = prepare_positions(op, positions, hidden.size(0), hidden.size(1), hidden);
-    view = hidden;
   }
-  Tensor out = empty_on(hidden, {view.size(0), p.size(1), view.size(2)}, hidden.scalar_type());
+  Tensor out = empty_on(hidden, {p.size(0), p.size(1), hidden.size(hidden.dim() - 1)}, hidden.scalar_type());
   if (out.numel() > 0) {
-    kernels_for(hidden).gather_forward(view, p, out);
+    kernels_for(hidden).gather_forward(hidden, p, starts, out);
   }
   return out;
 }
@@ -123,7 +122,7 @@ std::tuple<Tensor, Tensor> landmark_positions(const Tensor& mask, std::optional<
   if (cu_seqlens.has_value()) {
     const PackedBatch packed = prepare_packed(name, mask.size(0), mask, *cu_seqlens, std::nullopt, Values::kCheck,
                                               "the landmark mask's entries");
-    starts = packed.starts;
+    starts = packed.offsets;
     lengths = packed.lengths;
     batch = packed.batch;
   } else {
@@ -142,9 +141,8 @@ std::tuple<Tensor, Tensor> landmark_positions(const Tensor& mask, std::optional<
          ", K] fit in memory, got num_landmarks = ", num_landmarks, " (", why.substr(0, why.find('\n')), ")");
   }
   Tensor counts = empty_on(mask, {batch}, ScalarType::Long);
-  Tensor no_rows;
-  kernels_for(mask).find_rows(as_contiguous(mask), starts, lengths, batch, seq_len, /*last=*/false, no_rows,
-                              positions, counts);
+  kernels_for(mask).find_rows(as_contiguous(mask), starts, lengths, batch, seq_len, /*last=*/false, positions,
+                              counts);
   if (width.has_value() && batch > 0) {
     kernels_for(mask).check_range(counts, 0, num_landmarks, Tensor(),
                                   "lmk_ops." + op + ": expected at most num_landmarks = " +

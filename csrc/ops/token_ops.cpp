@@ -12,43 +12,42 @@
 namespace lmk_ops::ops {
 namespace {
 
-// Each text's first (or last) valid row, as [B, 1] columns: its row of the batch (packed batches only: undefined
-// for a padded one, whose gather reads positions), and its position from the text's start; -1 for a text with none.
-// The texts are runs of rows (starts, lengths), or a padded batch's texts of seq_len rows where those are undefined;
-// valid: bool over the rows (undefined: every row). One pass on every device.
-std::tuple<Tensor, Tensor> find_rows(const Tensor& like, const Tensor& valid, const Tensor& starts,
-                                     const Tensor& lengths, int64_t batch, int64_t seq_len, bool last) {
-  Tensor found = starts.defined() ? empty_on(like, {batch, 1}, ScalarType::Long) : Tensor();
+// Each text's first (or last) valid row, as a [B, 1] column of positions from the text's start; -1 for a text with
+// none. The texts are runs of rows (starts, lengths), or a padded batch's texts of seq_len rows where those are
+// undefined; valid: bool over the rows (undefined: every row). One pass on every device.
+Tensor find_rows(const Tensor& like, const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t batch,
+                 int64_t seq_len, bool last) {
   Tensor positions = empty_on(like, {batch, 1}, ScalarType::Long);
   Tensor no_counts;
-  kernels_for(like).find_rows(valid, starts, lengths, batch, seq_len, last, found, positions, no_counts);
-  return {found, positions};
+  kernels_for(like).find_rows(valid, starts, lengths, batch, seq_len, last, positions, no_counts);
+  return positions;
 }
 
 std::tuple<Tensor, Tensor> token_pool(const Tensor& hidden, const std::optional<Tensor>& mask, bool last,
                                       const std::optional<Tensor>& cu_seqlens, std::optional<int64_t> max_seqlen) {
   const char* op = last ? "last_token_pool" : "first_token_pool";
-  Tensor view, rows, positions;
+  Tensor positions, starts;  // starts: a packed batch's offsets, which the gather adds to the positions
+  int64_t batch = 0;
   if (cu_seqlens.has_value()) {
     const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen);
     const Tensor valid = prepare_packed_mask(op, mask, packed, hidden);
-    std::tie(rows, positions) =
-        find_rows(hidden, valid, packed.starts, packed.lengths, packed.batch, 0, last);
-    view = packed.batch_view(hidden);
+    positions = find_rows(hidden, valid, packed.offsets, packed.lengths, packed.batch, 0, last);
+    starts = packed.offsets;
+    batch = packed.batch;
   } else {
     check_hidden(op, hidden, max_seqlen);
-    const int64_t batch = hidden.size(0), seq_len = hidden.size(1);
-    const Tensor valid = prepare_mask(op, mask, batch, seq_len, hidden);
-    std::tie(std::ignore, positions) = find_rows(hidden, valid, Tensor(), Tensor(), batch, seq_len, last);
-    rows = positions;  // the gather reads positions of each text
-    view = hidden;
+    batch = hidden.size(0);
+    const int64_t seq_len = hidden.size(1);
+    positions = find_rows(hidden, prepare_mask(op, mask, batch, seq_len, hidden), Tensor(), Tensor(), batch,
+                          seq_len, last);
   }
   // The output is a tensor of its own, not a view: autograd refuses in-place changes (emb /= norm) to a view made
   // inside an op. The gather writes it as [B, 1, D].
-  Tensor out = empty_on(hidden, {view.size(0), view.size(2)}, hidden.scalar_type());
+  const int64_t dim = hidden.size(hidden.dim() - 1);
+  Tensor out = empty_on(hidden, {batch, dim}, hidden.scalar_type());
   if (out.numel() > 0) {
-    Tensor one_row_each = torch::stable::view(out, {view.size(0), 1, view.size(2)});
-    kernels_for(hidden).gather_forward(view, rows, one_row_each);
+    Tensor one_row_each = torch::stable::view(out, {batch, 1, dim});
+    kernels_for(hidden).gather_forward(hidden, positions, starts, one_row_each);
   }
   // Positions from each text's start, as landmark_gather_backward takes them.
   return {out, positions};

@@ -113,20 +113,21 @@ struct Kernels {
   void (*attention_backward)(const Tensor& grad, const Tensor& grad_weights, const Tensor& hidden,
                              const AttentionRows& rows, const Tensor& query, const Tensor& out,
                              const Tensor& stats, double scale, Tensor& grad_hidden, Tensor& grad_query);
-  // The valid rows of each text, for first/last-token pooling and landmark positions. The B texts are runs of rows
-  // [starts[b], starts[b] + lengths[b]) (starts int64 [B] or longer, lengths int64 [B], contiguous), or where those are undefined a
-  // padded batch's, [b * seq_len, (b + 1) * seq_len). valid: bool over the rows, contiguous, or undefined for every
+  // The valid rows of each text, for first/last-token pooling and landmark positions. The B texts are a packed
+  // batch's runs of rows [offsets[b], offsets[b + 1]) (offsets int64 [B + 1] contiguous), or where offsets is
+  // undefined a padded batch's, [b * seq_len, (b + 1) * seq_len). valid: bool over the rows, contiguous, or undefined for every
   // row. Writes positions, int64 [B, K] contiguous (K >= 0): each text's first K valid rows in order (with last, its
   // last K, the last first) as positions from the text's start, -1 past its valid rows; counts (int64 [B], or
   // undefined) how many valid rows each text has. B may be 0. Without counts a text's scan stops at its K-th valid row (the usual text starts with a valid token).
-  void (*find_rows)(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t batch, int64_t seq_len,
-                    bool last, Tensor& positions, Tensor& counts);
+  void (*find_rows)(const Tensor& valid, const Tensor& offsets, int64_t batch, int64_t seq_len, bool last,
+                    Tensor& positions, Tensor& counts);
   // Row numbers moved between a text's own and the batch's: values [B, W] contiguous, int32 or int64; starts int64
   // [B] (or longer). out (values' dtype and shape, contiguous; may be values itself) = values + sign * starts[b] where values >=
   // 0, else -1. One pass: ATen's integer subtraction through the stable ABI is four kernels (it goes by float64).
   void (*shift_rows)(const Tensor& values, const Tensor& starts, int64_t sign, Tensor& out);
   // A packed batch's cu_seqlens [B + 1] (int32 or int64, any stride) as int64 offsets [B + 1] (whose first B
-  // entries are the texts' starts) and lengths [B] (offsets[b + 1] - offsets[b]), both contiguous; B may be 0. With
+  // entries are the texts' starts) and, unless undefined, lengths [B] (offsets[b + 1] - offsets[b]), both
+  // contiguous; B may be 0. With
   // checks (else
   // null), the first check that fails (OffsetChecks' order, then the lowest b) is "<its message>, got V": raised at
   // once on the CPU, on CUDA printed by a device-side assertion, without synchronising. One pass, where the cast,

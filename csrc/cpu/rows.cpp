@@ -309,16 +309,15 @@ void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_h
   });
 }
 
-void find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t batch, int64_t seq_len,
-               bool last, Tensor& positions, Tensor& counts) {
+void find_rows(const Tensor& valid, const Tensor& offsets, int64_t batch, int64_t seq_len, bool last,
+               Tensor& positions, Tensor& counts) {
   const bool* v = valid.defined() ? valid.const_data_ptr<bool>() : nullptr;
-  const int64_t* s = starts.defined() ? starts.const_data_ptr<int64_t>() : nullptr;
-  const int64_t* n = lengths.defined() ? lengths.const_data_ptr<int64_t>() : nullptr;
+  const int64_t* s = offsets.defined() ? offsets.const_data_ptr<int64_t>() : nullptr;
   const int64_t width = positions.size(1);
   int64_t* position_out = positions.mutable_data_ptr<int64_t>();
   int64_t* count_out = counts.defined() ? counts.mutable_data_ptr<int64_t>() : nullptr;
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t start = s != nullptr ? s[b] : b * seq_len, length = n != nullptr ? n[b] : seq_len;
+    const int64_t start = s != nullptr ? s[b] : b * seq_len, length = s != nullptr ? s[b + 1] - s[b] : seq_len;
     int64_t seen = 0;
     for (int64_t i = 0; i < length && (count_out != nullptr || seen < width); ++i) {
       const int64_t position = last ? length - 1 - i : i;
@@ -354,18 +353,20 @@ void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, Tensor
 }
 
 void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor& offsets, Tensor& lengths) {
-  const int64_t batch = lengths.size(0), stride = cu_seqlens.stride(0);  // read once: a call into libtorch each
+  const int64_t batch = offsets.size(0) - 1, stride = cu_seqlens.stride(0);  // read once: a call into libtorch each
   int64_t* o = offsets.mutable_data_ptr<int64_t>();
-  int64_t* n = lengths.mutable_data_ptr<int64_t>();
   LMK_DISPATCH_INDEX(cu_seqlens.scalar_type(), "packed_offsets", [&] {
     const index_t* c = cu_seqlens.const_data_ptr<index_t>();
     for (int64_t b = 0; b <= batch; ++b) {
       o[b] = c[b * stride];
-      if (b > 0) {
-        n[b - 1] = o[b] - o[b - 1];
-      }
     }
   });
+  if (lengths.defined()) {
+    int64_t* n = lengths.mutable_data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      n[b] = o[b + 1] - o[b];
+    }
+  }
   if (checks == nullptr) {
     return;
   }
@@ -376,14 +377,20 @@ void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor
     ::lmk_ops::fail(checks->message(OffsetCheck::kLast), ", got ", o[batch]);
   }
   // A negative length anywhere is named before a text longer than max_seqlen (OffsetCheck's order).
-  const int64_t *const first = n, *const end = n + batch;
-  const int64_t* bad = std::find_if(first, end, [](int64_t length) { return length < 0; });
-  if (bad != end) {
-    ::lmk_ops::fail(checks->message(OffsetCheck::kOrder), ", got ", *bad, " at [", bad - first, "]");
+  const auto first_text = [&](const auto& fails) {
+    int64_t b = 0;
+    while (b < batch && !fails(o[b + 1] - o[b])) {
+      ++b;
+    }
+    return b;
+  };
+  int64_t b = first_text([](int64_t length) { return length < 0; });
+  if (b < batch) {
+    ::lmk_ops::fail(checks->message(OffsetCheck::kOrder), ", got ", o[b + 1] - o[b], " at [", b, "]");
   }
-  bad = std::find_if(first, end, [&](int64_t length) { return length > checks->longest; });
-  if (bad != end) {
-    ::lmk_ops::fail(checks->message(OffsetCheck::kLongest), ", got ", *bad, " at [", bad - first, "]");
+  b = first_text([&](int64_t length) { return length > checks->longest; });
+  if (b < batch) {
+    ::lmk_ops::fail(checks->message(OffsetCheck::kLongest), ", got ", o[b + 1] - o[b], " at [", b, "]");
   }
 }
 

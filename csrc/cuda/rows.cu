@@ -530,12 +530,12 @@ std::pair<Tensor, Tensor> invert_positions(const Tensor& positions, int64_t seq_
 // is the valid rows before it (the ballot's lower lanes and the earlier rounds). Stops after the width-th valid row
 // unless counts are asked for.
 __global__ void __launch_bounds__(kThreads)
-    find_rows_kernel(const bool* valid, const int64_t* starts, const int64_t* lengths, int64_t batch, int64_t seq_len,
-                     bool last, int64_t width, int64_t* positions, int64_t* counts) {
+    find_rows_kernel(const bool* valid, const int64_t* offsets, int64_t batch, int64_t seq_len, bool last,
+                     int64_t width, int64_t* positions, int64_t* counts) {
   const int lane = threadIdx.x % 32;
   for_each_warp_row(batch, [&](int64_t b) {
-    const int64_t start = starts != nullptr ? starts[b] : b * seq_len;
-    const int64_t length = lengths != nullptr ? lengths[b] : seq_len;
+    const int64_t start = offsets != nullptr ? offsets[b] : b * seq_len;
+    const int64_t length = offsets != nullptr ? offsets[b + 1] - start : seq_len;
     int64_t seen = 0;
     for (int64_t base = 0; base < length && (counts != nullptr || seen < width); base += 32) {
       const int64_t i = base + lane, at = last ? length - 1 - i : i;
@@ -600,7 +600,7 @@ __device__ void report_offsets(const index_t* cu, int64_t stride, int64_t batch,
   __assert_fail("lmk_ops input check (see the message above)", __FILE__, __LINE__, __func__);
 }
 
-// packed_offsets: offsets and lengths from cu (grid-stride) and, where bounds.check, the lowest failure
+// packed_offsets: offsets and (unless null) lengths from cu (grid-stride) and, where bounds.check, the lowest failure
 // key, found per block by a shared atomicMin; a lone block (failure null) reports it itself, blocks of a larger
 // grid leave it in *failure for report_offsets_failure.
 template <typename index_t>
@@ -618,7 +618,9 @@ __global__ void __launch_bounds__(kThreads)
     offsets[b] = at;
     if (b < batch) {
       const int64_t length = static_cast<int64_t>(cu[(b + 1) * stride]) - at;
-      lengths[b] = length;
+      if (lengths != nullptr) {
+        lengths[b] = length;
+      }
       if (length < 0) {
         mine = min(mine, failure_key(OffsetCheck::kOrder, b, batch));
       } else if (length > bounds.longest) {
@@ -852,18 +854,16 @@ void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_h
   });
 }
 
-void find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t batch, int64_t seq_len,
-               bool last, Tensor& positions, Tensor& counts) {
+void find_rows(const Tensor& valid, const Tensor& offsets, int64_t batch, int64_t seq_len, bool last,
+               Tensor& positions, Tensor& counts) {
   const auto guard = on_device_of(positions);
   if (batch == 0) {
     return;
   }
   find_rows_kernel<<<grid_for(batch, kWarpsPerBlock), kThreads, 0, stream()>>>(
       valid.defined() ? valid.const_data_ptr<bool>() : nullptr,
-      starts.defined() ? starts.const_data_ptr<int64_t>() : nullptr,
-      lengths.defined() ? lengths.const_data_ptr<int64_t>() : nullptr, batch, seq_len, last, positions.size(1),
-      positions.mutable_data_ptr<int64_t>(),
-      counts.defined() ? counts.mutable_data_ptr<int64_t>() : nullptr);
+      offsets.defined() ? offsets.const_data_ptr<int64_t>() : nullptr, batch, seq_len, last, positions.size(1),
+      positions.mutable_data_ptr<int64_t>(), counts.defined() ? counts.mutable_data_ptr<int64_t>() : nullptr);
   check_launch();
 }
 
@@ -883,7 +883,7 @@ void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, Tensor
 
 void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor& offsets, Tensor& lengths) {
   const auto guard = on_device_of(offsets);
-  const int64_t batch = lengths.size(0);
+  const int64_t batch = offsets.size(0) - 1;
   OffsetBounds bounds{0, std::numeric_limits<int64_t>::max(), checks != nullptr};
   OffsetMessages messages{};
   if (checks != nullptr) {
@@ -907,8 +907,8 @@ void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor
   LMK_DISPATCH_INDEX(cu_seqlens.scalar_type(), "packed_offsets", [&] {
     const index_t* cu = cu_seqlens.const_data_ptr<index_t>();
     convert_offsets<index_t><<<one_block ? 1 : grid_for(batch + 1, kThreads), kThreads, 0, stream()>>>(
-        cu, stride, batch, bounds, offsets.mutable_data_ptr<int64_t>(), lengths.mutable_data_ptr<int64_t>(),
-        failure_data, messages);
+        cu, stride, batch, bounds, offsets.mutable_data_ptr<int64_t>(),
+        lengths.defined() ? lengths.mutable_data_ptr<int64_t>() : nullptr, failure_data, messages);
     check_launch();
     if (failure_data != nullptr) {
       report_offsets_failure<index_t><<<1, 1, 0, stream()>>>(cu, stride, batch, failure_data, messages);

@@ -22,8 +22,8 @@ void mean_backward(const Tensor& scaled, const RowSelection& rows, Tensor& grad_
 void max_backward(const Tensor& grad, const Tensor& argmax, const Tensor& offsets, Tensor& grad_hidden);
 void gather_forward(const Tensor& hidden, const Tensor& positions, const Tensor& starts, Tensor& out);
 void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_hidden);
-void find_rows(const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t batch, int64_t seq_len,
-               bool last, Tensor& positions, Tensor& counts);
+void find_rows(const Tensor& valid, const Tensor& offsets, int64_t batch, int64_t seq_len, bool last,
+               Tensor& positions, Tensor& counts);
 void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, Tensor& out);
 void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor& offsets, Tensor& lengths);
 

@@ -117,13 +117,12 @@ std::tuple<Tensor, Tensor> landmark_positions(const Tensor& mask, std::optional<
   const int64_t num_landmarks = width.value_or(0);
   LMK_CHECK(num_landmarks >= 0, "lmk_ops.", name, ": expected num_landmarks as an int in [0, 2**63) (or None), got ",
             num_landmarks);
-  Tensor starts, lengths;
+  Tensor offsets;
   int64_t batch = 0, seq_len = 0;
   if (cu_seqlens.has_value()) {
     const PackedBatch packed = prepare_packed(name, mask.size(0), mask, *cu_seqlens, std::nullopt, Values::kCheck,
-                                              "the landmark mask's entries");
-    starts = packed.offsets;
-    lengths = packed.lengths;
+                                              "the landmark mask's entries", Lengths::kNone);
+    offsets = packed.offsets;
     batch = packed.batch;
   } else {
     batch = mask.size(0);
@@ -141,8 +140,7 @@ std::tuple<Tensor, Tensor> landmark_positions(const Tensor& mask, std::optional<
          ", K] fit in memory, got num_landmarks = ", num_landmarks, " (", why.substr(0, why.find('\n')), ")");
   }
   Tensor counts = empty_on(mask, {batch}, ScalarType::Long);
-  kernels_for(mask).find_rows(as_contiguous(mask), starts, lengths, batch, seq_len, /*last=*/false, positions,
-                              counts);
+  kernels_for(mask).find_rows(as_contiguous(mask), offsets, batch, seq_len, /*last=*/false, positions, counts);
   if (width.has_value() && batch > 0) {
     kernels_for(mask).check_range(counts, 0, num_landmarks, Tensor(),
                                   "lmk_ops." + op + ": expected at most num_landmarks = " +

@@ -13,13 +13,13 @@ namespace lmk_ops::ops {
 namespace {
 
 // Each text's first (or last) valid row, as a [B, 1] column of positions from the text's start; -1 for a text with
-// none. The texts are runs of rows (starts, lengths), or a padded batch's texts of seq_len rows where those are
+// none. The texts are a packed batch's runs of rows (offsets), or a padded batch's of seq_len rows where offsets is
 // undefined; valid: bool over the rows (undefined: every row). One pass on every device.
-Tensor find_rows(const Tensor& like, const Tensor& valid, const Tensor& starts, const Tensor& lengths, int64_t batch,
-                 int64_t seq_len, bool last) {
+Tensor find_rows(const Tensor& like, const Tensor& valid, const Tensor& offsets, int64_t batch, int64_t seq_len,
+                 bool last) {
   Tensor positions = empty_on(like, {batch, 1}, ScalarType::Long);
   Tensor no_counts;
-  kernels_for(like).find_rows(valid, starts, lengths, batch, seq_len, last, positions, no_counts);
+  kernels_for(like).find_rows(valid, offsets, batch, seq_len, last, positions, no_counts);
   return positions;
 }
 
@@ -29,17 +29,16 @@ std::tuple<Tensor, Tensor> token_pool(const Tensor& hidden, const std::optional<
   Tensor positions, starts;  // starts: a packed batch's offsets, which the gather adds to the positions
   int64_t batch = 0;
   if (cu_seqlens.has_value()) {
-    const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen);
+    const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen, Lengths::kNone);
     const Tensor valid = prepare_packed_mask(op, mask, packed, hidden);
-    positions = find_rows(hidden, valid, packed.offsets, packed.lengths, packed.batch, 0, last);
+    positions = find_rows(hidden, valid, packed.offsets, packed.batch, 0, last);
     starts = packed.offsets;
     batch = packed.batch;
   } else {
     check_hidden(op, hidden, max_seqlen);
     batch = hidden.size(0);
     const int64_t seq_len = hidden.size(1);
-    positions = find_rows(hidden, prepare_mask(op, mask, batch, seq_len, hidden), Tensor(), Tensor(), batch,
-                          seq_len, last);
+    positions = find_rows(hidden, prepare_mask(op, mask, batch, seq_len, hidden), Tensor(), batch, seq_len, last);
   }
   // The output is a tensor of its own, not a view: autograd refuses in-place changes (emb /= norm) to a view made
   // inside an op. The gather writes it as [B, 1, D].

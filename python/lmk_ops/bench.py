@@ -48,7 +48,7 @@ DEFAULT_SHAPES = "32x512x768,8x4096x1024,1x32768x1024"  # the last: one long tex
 # written BxLO-HIxD: one of long and short texts, and a small one of short texts as a server packs a few queries
 # (where a call's fixed costs, not its reads, decide packed against padded).
 DEFAULT_PACKED = "120x16-2048x768,32x16-128x768"
-PACKED_OPS = ["mean_pool", "max_pool", "landmark_mean@32", "first_token_pool", "attention_pool@1h"]
+PACKED_OPS = ["mean_pool", "max_pool", *LANDMARK_ENTRIES, "first_token_pool", *ATTENTION_ENTRIES]
 
 
 def make_inputs(shape, dtype, device, padding=0.0, seed=0):
@@ -350,7 +350,7 @@ def packed_contenders(op: str, hidden, offsets, landmarks):
     if op == "max_pool":
         return {"segment_reduce": lambda: reference.segment_max(hidden, offsets),
                 "index_add": lambda: reference.scatter_max(hidden, offsets), "index_add_fp32": None}
-    if op == "landmark_mean@32":
+    if op in LANDMARK_ENTRIES:
         return {"segment_reduce": None,
                 "index_add": lambda: reference.index_add_mean(hidden, offsets, rows=landmarks),
                 "index_add_fp32": lambda: reference.index_add_mean(hidden, offsets, torch.float32, landmarks)}
@@ -394,13 +394,17 @@ def bench_packed(op, dtype_name, spec, device) -> PackedRow:
     padded, valid, _, _ = reference.padded_view(hidden, None, offsets)
     longest = max(lengths)
     packed_kw: dict[str, Any] = {"cu_seqlens": offsets, "max_seqlen": longest}
-    landmarks = None  # the packed landmark mask, for landmark_mean@32's contenders
-    if op == "landmark_mean@32":
-        landmark_rows = landmarks = landmark_layout(valid, 32)[valid]
+    landmarks = None  # the packed landmark mask, for landmark_mean's contenders
+    row_name = op
+    if op in LANDMARK_ENTRIES:
+        padded_landmarks = landmark_layout(valid, LANDMARK_ENTRIES[op])
+        landmark_rows = landmarks = padded_landmarks[valid]
         ours = lambda: lmk_ops.landmark_mean(hidden, landmark_rows, **packed_kw)  # noqa: E731
-        theirs = lambda: lmk_ops.landmark_mean(padded, landmark_layout(valid, 32))  # noqa: E731
-    elif op == "attention_pool@1h":
-        query = torch.randn(dim, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+        theirs = lambda: lmk_ops.landmark_mean(padded, padded_landmarks)  # noqa: E731
+    elif op in ATTENTION_ENTRIES:  # named by its heads, as the padded rows are
+        heads = ATTENTION_ENTRIES[op](dim)
+        row_name = f"attention_pool@{heads}h"
+        query = torch.randn(heads, dim // heads, generator=torch.Generator().manual_seed(2)).to(device, dtype)
         ours = lambda: lmk_ops.attention_pool(hidden, None, query, **packed_kw)  # noqa: E731
         theirs = lambda: lmk_ops.attention_pool(padded, valid, query)  # noqa: E731
     else:
@@ -411,7 +415,7 @@ def bench_packed(op, dtype_name, spec, device) -> PackedRow:
         times = time_together({"ours": ours, "padded": theirs, "floor": lambda: hidden.sum(),
                                **packed_contenders(op, hidden, offsets, landmarks)}, device)
         floor = times["floor"]
-    return PackedRow(op, dtype_name, f"{len(lengths)} texts, {tokens}x{dim}", times["ours"], times["padded"],
+    return PackedRow(row_name, dtype_name, f"{len(lengths)} texts, {tokens}x{dim}", times["ours"], times["padded"],
                      times["segment_reduce"], times["index_add"], times["index_add_fp32"], floor)
 
 

@@ -124,8 +124,8 @@ Tensor mask_as_bool(const char* op, const Tensor& m, Values values, const char* 
   // token ids passed by accident), so say so instead of treating it as "nonzero = valid".
   // The device's range check: raises on the CPU, a device-side assertion on CUDA (common/kernel_types.h).
   const auto check_values = [&](const Tensor& as_long) {
-    kernels_for(m).check_range(as_long, 0, 1, Tensor(),
-                               std::string("lmk_ops.") + op + ": expected " + name + " values 0 or 1", EntryName::kIndex);
+    const std::string expected = std::string("lmk_ops.") + op + ": expected " + name + " values 0 or 1";
+    kernels_for(m).check_range(as_long, 0, 1, Tensor(), expected, EntryName::kIndex);
   };
   if (takes_host_path(m)) {  // one pass that checks and converts, where the generic form costs several operator calls
     const Tensor as_long = as_contiguous(to_dtype(m, ScalarType::Long));  // no copy for the usual int64 mask

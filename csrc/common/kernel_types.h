@@ -17,15 +17,15 @@ using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float
 // Which rows of each text an op reduces; produced by the input checks, consumed by the kernels. Every row (all
 // undefined), the rows where a contiguous bool [B, L] mask is true, the rows listed in contiguous int64 [B, K]
 // positions (-1 entries skipped; the others checked to lie in [0, L); a repeated position counts as often as it is
-// listed), or runs: text b's rows are [starts[b], starts[b] + lengths[b]) (contiguous int64, [B] or longer: a
-// packed batch's texts, whose starts are its offsets), every row of them, or with mask a contiguous bool [T], the rows where it is true. (Not a [B, K] list of
-// a packed batch's rows: that takes B times the longest text's room.)
+// listed), or runs: text b's rows are [offsets[b], offsets[b] + lengths[b]) (contiguous int64 [B + 1] and [B]; a
+// packed batch's texts), every row of them, or with mask a contiguous bool [T], the rows where it is true. (Not a
+// [B, K] list of a packed batch's rows: that takes B times the longest text's room.)
 using Tensor = torch::stable::Tensor;
 
 struct RowSelection {
   Tensor mask = Tensor();
   Tensor positions = Tensor();
-  Tensor starts = Tensor(), lengths = Tensor();
+  Tensor lengths = Tensor();
   Tensor offsets = Tensor();  // with runs: the texts' bounds, starts and then the last text's end (int64 [B + 1])
 };
 
@@ -39,7 +39,7 @@ struct AttentionRows {
   Tensor valid;
 
   bool packed() const {
-    return listed.starts.defined();  // a packed batch's texts are runs of rows (PackedBatch::selection)
+    return listed.offsets.defined();  // a packed batch's texts are runs of rows (PackedBatch::selection)
   }
 };
 
@@ -115,23 +115,24 @@ struct Kernels {
                              const Tensor& stats, double scale, Tensor& grad_hidden, Tensor& grad_query);
   // The valid rows of each text, for first/last-token pooling and landmark positions. The B texts are a packed
   // batch's runs of rows [offsets[b], offsets[b + 1]) (offsets int64 [B + 1] contiguous), or where offsets is
-  // undefined a padded batch's, [b * seq_len, (b + 1) * seq_len). valid: bool over the rows, contiguous, or undefined for every
-  // row. Writes positions, int64 [B, K] contiguous (K >= 0): each text's first K valid rows in order (with last, its
-  // last K, the last first) as positions from the text's start, -1 past its valid rows; counts (int64 [B], or
-  // undefined) how many valid rows each text has. B may be 0. Without counts a text's scan stops at its K-th valid row (the usual text starts with a valid token).
+  // undefined a padded batch's, [b * seq_len, (b + 1) * seq_len). valid: bool over the rows, contiguous, or
+  // undefined for every row. Writes positions, int64 [B, K] contiguous (K >= 0): each text's first K valid rows in
+  // order (with last, its last K, the last first) as positions from the text's start, -1 past its valid rows; counts
+  // (int64 [B], or undefined) how many valid rows each text has. B may be 0. Without counts a text's scan stops at its
+  // K-th valid row (the usual text starts with a valid token).
   void (*find_rows)(const Tensor& valid, const Tensor& offsets, int64_t batch, int64_t seq_len, bool last,
                     Tensor& positions, Tensor& counts);
   // Row numbers moved between a text's own and the batch's: values [B, W] contiguous, int32 or int64; starts int64
-  // [B] (or longer). out (values' dtype and shape, contiguous; may be values itself) = values + sign * starts[b] where values >=
-  // 0, else -1. One pass: ATen's integer subtraction through the stable ABI is four kernels (it goes by float64).
+  // [B] (or longer). out (values' dtype and shape, contiguous; may be values itself) = values + sign * starts[b]
+  // where values >= 0, else -1. One pass: ATen's integer subtraction through the stable ABI is four kernels (it
+  // goes by float64).
   void (*shift_rows)(const Tensor& values, const Tensor& starts, int64_t sign, Tensor& out);
   // A packed batch's cu_seqlens [B + 1] (int32 or int64, any stride) as int64 offsets [B + 1] (whose first B
   // entries are the texts' starts) and, unless undefined, lengths [B] (offsets[b + 1] - offsets[b]), both
-  // contiguous; B may be 0. With
-  // checks (else
-  // null), the first check that fails (OffsetChecks' order, then the lowest b) is "<its message>, got V": raised at
-  // once on the CPU, on CUDA printed by a device-side assertion, without synchronising. One pass, where the cast,
-  // the differences and a check_range per condition took some eight kernel launches on CUDA.
+  // contiguous; B may be 0. With checks (else null), the first check that fails (OffsetChecks' order, then the
+  // lowest b) is "<its message>, got V": raised at once on the CPU, on CUDA printed by a device-side assertion,
+  // without synchronising. One pass, where the cast, the differences and a check_range per condition took some
+  // eight kernel launches on CUDA.
   void (*packed_offsets)(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor& offsets, Tensor& lengths);
 };
 

@@ -51,7 +51,7 @@ Tensor PackedBatch::relative(Tensor rows) const {
 }
 
 RowSelection PackedBatch::selection(const Tensor& selected) const {
-  return {selected, Tensor(), offsets, lengths, offsets};
+  return {selected, Tensor(), lengths, offsets};
 }
 
 PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, const Tensor& cu_seqlens,

@@ -70,10 +70,11 @@ void write_weighted_rows(const Tensor& scaled_wide, const times_t* times, const 
 // -1. Split over (b, k) rows: each output row is written once (a memcpy when hidden's features are contiguous).
 template <typename scalar_t>
 void gather_rows(const Tensor& hidden, const Tensor& positions, const Tensor& starts, Tensor& out) {
-  const int64_t* first = starts.defined() ? starts.const_data_ptr<int64_t>() : nullptr;  // packed: hidden [T, D]
-  const int64_t listed = positions.size(1), dim = hidden.size(first != nullptr ? 1 : 2);
-  const int64_t sb = first != nullptr ? 0 : hidden.stride(0), sl = hidden.stride(first != nullptr ? 0 : 1),
-                sd = hidden.stride(first != nullptr ? 1 : 2);
+  const bool packed = starts.defined();  // hidden [T, D] (Kernels::gather_forward)
+  const int64_t* first = packed ? starts.const_data_ptr<int64_t>() : nullptr;
+  const int64_t listed = positions.size(1), dim = hidden.size(packed ? 1 : 2);
+  const int64_t sb = packed ? 0 : hidden.stride(0), sl = hidden.stride(packed ? 0 : 1);
+  const int64_t sd = hidden.stride(packed ? 1 : 2);
   const scalar_t* h = hidden.const_data_ptr<scalar_t>();
   const int64_t* p = positions.const_data_ptr<int64_t>();
   scalar_t* o = out.mutable_data_ptr<scalar_t>();
@@ -87,7 +88,7 @@ void gather_rows(const Tensor& hidden, const Tensor& positions, const Tensor& st
         continue;
       }
       const int64_t b = row / listed;
-      const scalar_t* src = h + b * sb + (first != nullptr ? first[b] + l : l) * sl;
+      const scalar_t* src = h + b * sb + (packed ? first[b] + l : l) * sl;
       if (sd == 1) {
         std::memcpy(dst, src, dim * sizeof(scalar_t));
       } else {
@@ -149,7 +150,7 @@ void scatter_rows(const Tensor& grad, const Tensor& positions, Tensor& grad_hidd
 // text selects] table took B times the longest text's rows: 4000 one-token texts beside one of 65536 tokens listed
 // 262 million entries, 2 GB, twice over.)
 RowListing list_masked_runs(const RowSelection& selection, int64_t batch, int64_t seq_len) {
-  const int64_t* starts = selection.starts.const_data_ptr<int64_t>();
+  const int64_t* starts = selection.offsets.const_data_ptr<int64_t>();
   const int64_t* lengths = selection.lengths.const_data_ptr<int64_t>();
   const bool* mask = selection.mask.const_data_ptr<bool>();
   std::vector<int64_t> count(batch), start(batch);
@@ -185,13 +186,13 @@ RowListing list_masked_runs(const RowSelection& selection, int64_t batch, int64_
 
 RowListing list_rows(const RowSelection& selection, int64_t batch, int64_t seq_len) {
   const bool by_mask = selection.mask.defined();
-  if (selection.starts.defined() && !by_mask) {
+  if (selection.offsets.defined() && !by_mask) {
     const int64_t* lengths = selection.lengths.const_data_ptr<int64_t>();
     const int64_t longest = batch > 0 ? *std::max_element(lengths, lengths + batch) : 0;
-    return {{}, {}, {},
-            RowList{nullptr, lengths, selection.starts.const_data_ptr<int64_t>(), longest, seq_len, /*listed=*/false}};
+    const int64_t* starts = selection.offsets.const_data_ptr<int64_t>();
+    return {{}, {}, {}, RowList{nullptr, lengths, starts, longest, seq_len, /*listed=*/false}};
   }
-  if (selection.starts.defined()) {
+  if (selection.offsets.defined()) {
     return list_masked_runs(selection, batch, seq_len);
   }
   if (!by_mask && !selection.positions.defined()) {

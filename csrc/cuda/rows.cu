@@ -661,9 +661,9 @@ __global__ void report_offsets_failure(const index_t* cu, int64_t stride, int64_
 }  // namespace
 
 RowList select_rows(const RowSelection& selection, int64_t batch, int64_t seq_len) {
-  if (selection.starts.defined()) {  // a packed batch's texts: runs of the [B, T, D] view's T rows
+  if (selection.offsets.defined()) {  // a packed batch's texts: runs of the [B, T, D] view's T rows
     if (!selection.mask.defined()) {
-      return {Tensor(), selection.lengths, selection.starts, 0, seq_len, seq_len, seq_len};
+      return {Tensor(), selection.lengths, selection.offsets, 0, seq_len, seq_len, seq_len};
     }
     // The true rows of the [T] mask in order, listed as one text's, are the texts' lists one after another (texts
     // are consecutive runs); each text's start and count in it follow from its bounds. Two or three launches, where

@@ -210,8 +210,11 @@ BAD_OFFSETS = [
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("offsets,message,on_device", BAD_OFFSETS)
 @pytest.mark.parametrize("name", ["mean_pool", "max_pool", "landmark_mean", "first_token_pool", "last_token_pool"])
-def test_bad_offsets_name_the_op(offsets, message, on_device, name, device, request):
-    hidden, offsets = torch.randn(7, 4, device=device), offsets.to(device)
+@pytest.mark.parametrize("index", [torch.int64, torch.int32])
+def test_bad_offsets_name_the_op(offsets, message, on_device, name, index, device, request):
+    # int32 too: token pooling reads contiguous offsets as they are given (PackedReads::kGivenOffsets), checked alike.
+    hidden = torch.randn(7, 4, device=device)
+    offsets = offsets.to(device, index if offsets.dtype == torch.int64 else offsets.dtype)
     call = {"landmark_mean": lambda: lmk_ops.landmark_mean(hidden, torch.ones(7, dtype=torch.bool, device=device),
                                                            cu_seqlens=offsets)}.get(
         name, lambda: getattr(lmk_ops, name)(hidden, cu_seqlens=offsets))

@@ -29,6 +29,30 @@ struct RowSelection {
   Tensor offsets = Tensor();  // with runs: the texts' bounds, starts and then the last text's end (int64 [B + 1])
 };
 
+#if defined(__CUDACC__)
+#define LMK_HOST_DEVICE __host__ __device__
+#else
+#define LMK_HOST_DEVICE
+#endif
+
+// A packed batch's offsets [B + 1] as find_rows and gather_forward read them: int32 or int64, contiguous, the dtype
+// the caller gave its cu_seqlens in (PackedReads::kGivenOffsets, common/packed.h), so that a small call converts
+// nothing. Null data: no offsets (a padded batch).
+struct OffsetsView {
+  const void* data = nullptr;
+  bool wide = true;  // int64; else int32
+
+  explicit OffsetsView(const Tensor& offsets)
+      : data(offsets.defined() ? offsets.const_data_ptr() : nullptr),
+        wide(!offsets.defined() || offsets.scalar_type() == torch::headeronly::ScalarType::Long) {}
+  LMK_HOST_DEVICE explicit operator bool() const {
+    return data != nullptr;
+  }
+  LMK_HOST_DEVICE int64_t operator[](int64_t b) const {
+    return wide ? static_cast<const int64_t*>(data)[b] : static_cast<const int32_t*>(data)[b];
+  }
+};
+
 // The rows attention pooling reads and writes. Padded: listed.mask is the valid mask [B, L] (undefined: every row),
 // valid the same. Packed (hidden a [B, T, D] view with batch stride 0, common/packed.h): listed lists each text's
 // valid rows as absolute rows, valid marks the valid rows [T] (undefined: all), and the per-row tensors (weights
@@ -93,9 +117,9 @@ struct Kernels {
   // text b's position t - offsets[b], where offsets[b] <= t < offsets[b + 1].
   void (*max_backward)(const Tensor& grad, const Tensor& argmax, const Tensor& offsets, Tensor& grad_hidden);
   // positions [B, K] contiguous int64 (-1 or in [0, L)); out [B, K, D] contiguous, zero rows for -1. K may be 0.
-  // hidden is [B, L, D] (starts undefined), or a packed batch's [T, D] with starts its offsets (int64 [B + 1]
-  // contiguous), positions then counted from each text's start: text b's position l is row starts[b] + l. (A
-  // [B, T, D] view and absolute rows would each cost a small call as much as an allocation.)
+  // hidden is [B, L, D] (starts undefined), or a packed batch's [T, D] with starts its offsets (int32 or int64
+  // [B + 1], contiguous: OffsetsView), positions then counted from each text's start: text b's position l is row
+  // starts[b] + l. (A [B, T, D] view and absolute rows would each cost a small call as much as an allocation.)
   void (*gather_forward)(const Tensor& hidden, const Tensor& positions, const Tensor& starts, Tensor& out);
   // grad [B, K, D] contiguous; every row of grad_hidden [B, L, D] (contiguous) written: the sum of the grad rows
   // listing it, in k order in the accumulation type, rounded once (zero when none does).
@@ -113,13 +137,13 @@ struct Kernels {
   void (*attention_backward)(const Tensor& grad, const Tensor& grad_weights, const Tensor& hidden,
                              const AttentionRows& rows, const Tensor& query, const Tensor& out,
                              const Tensor& stats, double scale, Tensor& grad_hidden, Tensor& grad_query);
-  // The valid rows of each text, for first/last-token pooling and landmark positions. The B texts are a packed
-  // batch's runs of rows [offsets[b], offsets[b + 1]) (offsets int64 [B + 1] contiguous), or where offsets is
-  // undefined a padded batch's, [b * seq_len, (b + 1) * seq_len). valid: bool over the rows, contiguous, or
-  // undefined for every row. Writes positions, int64 [B, K] contiguous (K >= 0): each text's first K valid rows in
-  // order (with last, its last K, the last first) as positions from the text's start, -1 past its valid rows; counts
-  // (int64 [B], or undefined) how many valid rows each text has. B may be 0. Without counts a text's scan stops at its
-  // K-th valid row (the usual text starts with a valid token).
+  // The valid rows of each text, for first/last-token pooling and landmark positions. The B texts are a packed batch's
+  // runs of rows [offsets[b], offsets[b + 1]) (offsets int32 or int64 [B + 1], contiguous), or where offsets is
+  // undefined a padded batch's, [b * seq_len, (b + 1) * seq_len). valid: bool over the rows, contiguous, or undefined
+  // for every row. Writes positions, int64 [B, K] contiguous (K >= 0): each text's first K valid rows in order (with
+  // last, its last K, the last first) as positions from the text's start, -1 past its valid rows; counts (int64 [B], or
+  // undefined) how many valid rows each text has. B may be 0. Without counts a text's scan stops at its K-th valid row
+  // (the usual text starts with a valid token).
   void (*find_rows)(const Tensor& valid, const Tensor& offsets, int64_t batch, int64_t seq_len, bool last,
                     Tensor& positions, Tensor& counts);
   // Row numbers moved between a text's own and the batch's: values [B, W] contiguous, int32 or int64; starts int64
@@ -127,12 +151,12 @@ struct Kernels {
   // where values >= 0, else -1. One pass: ATen's integer subtraction through the stable ABI is four kernels (it
   // goes by float64).
   void (*shift_rows)(const Tensor& values, const Tensor& starts, int64_t sign, Tensor& out);
-  // A packed batch's cu_seqlens [B + 1] (int32 or int64, any stride) as int64 offsets [B + 1] (whose first B
-  // entries are the texts' starts) and, unless undefined, lengths [B] (offsets[b + 1] - offsets[b]), both
-  // contiguous; B may be 0. With checks (else null), the first check that fails (OffsetChecks' order, then the
-  // lowest b) is "<its message>, got V": raised at once on the CPU, on CUDA printed by a device-side assertion,
-  // without synchronising. One pass, where the cast, the differences and a check_range per condition took some
-  // eight kernel launches on CUDA.
+  // A packed batch's cu_seqlens [B + 1] (int32 or int64, any stride) as int64 offsets [B + 1] (whose first B entries
+  // are the texts' starts) and lengths [B] (offsets[b + 1] - offsets[b]), both contiguous, each unless undefined (the
+  // checks alone); B may be 0. With checks (else null), the first check that fails (OffsetChecks' order, then the
+  // lowest b) is "<its message>, got V": raised at once on the CPU, on CUDA printed by a device-side assertion, without
+  // synchronising. One pass, where the cast, the differences and a check_range per condition took some eight kernel
+  // launches on CUDA.
   void (*packed_offsets)(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor& offsets, Tensor& lengths);
 };
 

@@ -56,7 +56,7 @@ RowSelection PackedBatch::selection(const Tensor& selected) const {
 
 PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, const Tensor& cu_seqlens,
                            std::optional<int64_t> max_seqlen, Values values, const char* tokens_are,
-                           Lengths lengths) {
+                           PackedReads reads) {
   LMK_CHECK(
       cu_seqlens.device() == like.device(), "lmk_ops.", op, ": expected cu_seqlens on the same device as hidden (",
       device_name(like), "), got ", device_name(cu_seqlens));
@@ -74,20 +74,25 @@ PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, c
   packed.tokens = tokens;
   // The kernels read the texts' starts as the offsets' first B entries: a tensor of starts, or a view of the
   // offsets, costs an allocation, a measurable share of a first_token_pool call on the CPU.
-  packed.offsets = empty_on(cu_seqlens, {packed.batch + 1}, ScalarType::Long);
-  if (lengths == Lengths::kWritten) {
+  Tensor converted;  // what packed_offsets writes: undefined where cu_seqlens is read as it is (only checked)
+  if (reads == PackedReads::kGivenOffsets && cu_seqlens.stride(0) == 1) {
+    packed.offsets = cu_seqlens;
+  } else {
+    converted = packed.offsets = empty_on(cu_seqlens, {packed.batch + 1}, ScalarType::Long);
+  }
+  if (reads == PackedReads::kLengths) {
     packed.lengths = empty_on(cu_seqlens, {packed.batch}, ScalarType::Long);
   }
   const OffsetChecks checks{op, tokens_are, tokens, max_seqlen.value_or(std::numeric_limits<int64_t>::max())};
-  kernels_for(like).packed_offsets(cu_seqlens, values == Values::kCheck ? &checks : nullptr, packed.offsets,
+  kernels_for(like).packed_offsets(cu_seqlens, values == Values::kCheck ? &checks : nullptr, converted,
                                    packed.lengths);
   return packed;
 }
 
 PackedBatch prepare_packed_hidden(const char* op, const Tensor& hidden, const Tensor& cu_seqlens,
-                                  std::optional<int64_t> max_seqlen, Lengths lengths) {
+                                  std::optional<int64_t> max_seqlen, PackedReads reads) {
   check_packed_hidden(op, hidden);
-  return prepare_packed(op, hidden.size(0), hidden, cu_seqlens, max_seqlen, Values::kCheck, "hidden's rows", lengths);
+  return prepare_packed(op, hidden.size(0), hidden, cu_seqlens, max_seqlen, Values::kCheck, "hidden's rows", reads);
 }
 
 PackedBatch prepare_packed_grad(const char* op, const Tensor& grad, int64_t tokens, const Tensor& cu_seqlens) {

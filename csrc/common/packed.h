@@ -15,8 +15,9 @@
 namespace lmk_ops {
 
 struct PackedBatch {
-  Tensor offsets;  // cu_seqlens as int64 [B + 1], contiguous: its first B entries are the texts' starts
-  Tensor lengths;  // [B]: offsets[1:] - offsets[:-1], contiguous (undefined where prepare_packed was told so)
+  Tensor offsets;  // cu_seqlens as int64 [B + 1], contiguous: its first B entries are the texts' starts (with
+                   // PackedReads::kGivenOffsets, cu_seqlens itself where it is contiguous, int32 or int64)
+  Tensor lengths;  // [B]: offsets[1:] - offsets[:-1], contiguous (undefined but with PackedReads::kLengths)
   int64_t batch = 0;
   int64_t tokens = 0;  // T
 
@@ -37,16 +38,18 @@ struct PackedBatch {
 // Validates cu_seqlens for T rows on like's device: int32 or int64 [B + 1], first 0, last T, non-decreasing; and
 // max_seqlen, when given, at least every text's length. Values are checked as prepare_mask checks them (on CUDA
 // without a host synchronisation). tokens_are: what T is, for the message of a wrong last offset.
-// Lengths::kNone leaves PackedBatch::lengths undefined, for an op that reads only the offsets: one allocation less,
-// a measurable share of a small call.
-enum class Lengths { kWritten, kNone };
+// reads: what the op's kernels read, so that a small call allocates no more than it needs (an allocation is a
+// measurable share of one): kLengths, the int64 offsets and the lengths; kOffsets, the int64 offsets only;
+// kGivenOffsets, the offsets only, through find_rows and gather_forward, which take cu_seqlens as it is where it is
+// contiguous (OffsetsView).
+enum class PackedReads { kLengths, kOffsets, kGivenOffsets };
 PackedBatch prepare_packed(const char* op, int64_t tokens, const Tensor& like, const Tensor& cu_seqlens,
                            std::optional<int64_t> max_seqlen, Values values = Values::kCheck,
-                           const char* tokens_are = "hidden's rows", Lengths lengths = Lengths::kWritten);
+                           const char* tokens_are = "hidden's rows", PackedReads reads = PackedReads::kLengths);
 
 // hidden [T, D] (checked as check_packed_hidden does) and its cu_seqlens, checked as prepare_packed does.
 PackedBatch prepare_packed_hidden(const char* op, const Tensor& hidden, const Tensor& cu_seqlens,
-                                  std::optional<int64_t> max_seqlen, Lengths lengths = Lengths::kWritten);
+                                  std::optional<int64_t> max_seqlen, PackedReads reads = PackedReads::kLengths);
 
 // The packed batch of a backward op, its cu_seqlens checked as prepare_packed checks them (without max_seqlen);
 // grad_out's first dimension must be B.

@@ -70,8 +70,8 @@ void write_weighted_rows(const Tensor& scaled_wide, const times_t* times, const 
 // -1. Split over (b, k) rows: each output row is written once (a memcpy when hidden's features are contiguous).
 template <typename scalar_t>
 void gather_rows(const Tensor& hidden, const Tensor& positions, const Tensor& starts, Tensor& out) {
-  const bool packed = starts.defined();  // hidden [T, D] (Kernels::gather_forward)
-  const int64_t* first = packed ? starts.const_data_ptr<int64_t>() : nullptr;
+  const OffsetsView first(starts);
+  const bool packed(first);  // hidden [T, D] (Kernels::gather_forward)
   const int64_t listed = positions.size(1), dim = hidden.size(packed ? 1 : 2);
   const int64_t sb = packed ? 0 : hidden.stride(0), sl = hidden.stride(packed ? 0 : 1);
   const int64_t sd = hidden.stride(packed ? 1 : 2);
@@ -180,6 +180,33 @@ RowListing list_masked_runs(const RowSelection& selection, int64_t batch, int64_
   });
   RowList view{order.data(), count.data(), start.data(), longest, seq_len, /*listed=*/true};
   return {std::move(order), std::move(count), std::move(start), view};
+}
+
+// packed_offsets' checks of the offsets at(0), ..., at(batch): the first that fails, in OffsetCheck's order.
+template <typename At>
+void check_offsets(const OffsetChecks& checks, int64_t batch, const At& at) {
+  if (at(0) != 0) {
+    ::lmk_ops::fail(checks.message(OffsetCheck::kFirst), ", got ", at(0));
+  }
+  if (at(batch) != checks.tokens) {
+    ::lmk_ops::fail(checks.message(OffsetCheck::kLast), ", got ", at(batch));
+  }
+  // A negative length anywhere is named before a text longer than max_seqlen (OffsetCheck's order).
+  const auto first_text = [&](const auto& fails) {
+    int64_t b = 0;
+    while (b < batch && !fails(at(b + 1) - at(b))) {
+      ++b;
+    }
+    return b;
+  };
+  int64_t b = first_text([](int64_t length) { return length < 0; });
+  if (b < batch) {
+    ::lmk_ops::fail(checks.message(OffsetCheck::kOrder), ", got ", at(b + 1) - at(b), " at [", b, "]");
+  }
+  b = first_text([&](int64_t length) { return length > checks.longest; });
+  if (b < batch) {
+    ::lmk_ops::fail(checks.message(OffsetCheck::kLongest), ", got ", at(b + 1) - at(b), " at [", b, "]");
+  }
 }
 
 }  // namespace
@@ -313,12 +340,12 @@ void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_h
 void find_rows(const Tensor& valid, const Tensor& offsets, int64_t batch, int64_t seq_len, bool last,
                Tensor& positions, Tensor& counts) {
   const bool* v = valid.defined() ? valid.const_data_ptr<bool>() : nullptr;
-  const int64_t* s = offsets.defined() ? offsets.const_data_ptr<int64_t>() : nullptr;
+  const OffsetsView s(offsets);
   const int64_t width = positions.size(1);
   int64_t* position_out = positions.mutable_data_ptr<int64_t>();
   int64_t* count_out = counts.defined() ? counts.mutable_data_ptr<int64_t>() : nullptr;
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t start = s != nullptr ? s[b] : b * seq_len, length = s != nullptr ? s[b + 1] - s[b] : seq_len;
+    const int64_t start = s ? s[b] : b * seq_len, length = s ? s[b + 1] - s[b] : seq_len;
     int64_t seen = 0;
     for (int64_t i = 0; i < length && (count_out != nullptr || seen < width); ++i) {
       const int64_t position = last ? length - 1 - i : i;
@@ -354,45 +381,22 @@ void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, Tensor
 }
 
 void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor& offsets, Tensor& lengths) {
-  const int64_t batch = offsets.size(0) - 1, stride = cu_seqlens.stride(0);  // read once: a call into libtorch each
-  int64_t* o = offsets.mutable_data_ptr<int64_t>();
+  const int64_t batch = cu_seqlens.size(0) - 1, stride = cu_seqlens.stride(0);  // read once: a libtorch call each
+  int64_t* o = offsets.defined() ? offsets.mutable_data_ptr<int64_t>() : nullptr;
+  int64_t* n = lengths.defined() ? lengths.mutable_data_ptr<int64_t>() : nullptr;
   LMK_DISPATCH_INDEX(cu_seqlens.scalar_type(), "packed_offsets", [&] {
     const index_t* c = cu_seqlens.const_data_ptr<index_t>();
-    for (int64_t b = 0; b <= batch; ++b) {
-      o[b] = c[b * stride];
+    const auto at = [&](int64_t b) { return static_cast<int64_t>(c[b * stride]); };
+    for (int64_t b = 0; o != nullptr && b <= batch; ++b) {
+      o[b] = at(b);
+    }
+    for (int64_t b = 0; n != nullptr && b < batch; ++b) {
+      n[b] = at(b + 1) - at(b);
+    }
+    if (checks != nullptr) {
+      check_offsets(*checks, batch, at);
     }
   });
-  if (lengths.defined()) {
-    int64_t* n = lengths.mutable_data_ptr<int64_t>();
-    for (int64_t b = 0; b < batch; ++b) {
-      n[b] = o[b + 1] - o[b];
-    }
-  }
-  if (checks == nullptr) {
-    return;
-  }
-  if (o[0] != 0) {
-    ::lmk_ops::fail(checks->message(OffsetCheck::kFirst), ", got ", o[0]);
-  }
-  if (o[batch] != checks->tokens) {
-    ::lmk_ops::fail(checks->message(OffsetCheck::kLast), ", got ", o[batch]);
-  }
-  // A negative length anywhere is named before a text longer than max_seqlen (OffsetCheck's order).
-  const auto first_text = [&](const auto& fails) {
-    int64_t b = 0;
-    while (b < batch && !fails(o[b + 1] - o[b])) {
-      ++b;
-    }
-    return b;
-  };
-  int64_t b = first_text([](int64_t length) { return length < 0; });
-  if (b < batch) {
-    ::lmk_ops::fail(checks->message(OffsetCheck::kOrder), ", got ", o[b + 1] - o[b], " at [", b, "]");
-  }
-  b = first_text([&](int64_t length) { return length > checks->longest; });
-  if (b < batch) {
-    ::lmk_ops::fail(checks->message(OffsetCheck::kLongest), ", got ", o[b + 1] - o[b], " at [", b, "]");
-  }
 }
 
 }  // namespace lmk_ops::cpu

@@ -445,16 +445,16 @@ __global__ void __launch_bounds__(kThreads) max_backward_kernel(const scalar_t* 
   });
 }
 
-// out[b, k] = hidden[b, positions[b, k]], zeros for -1.
+// out[b, k] = hidden[b, positions[b, k]] (packed: hidden[starts[b] + positions[b, k]]), zeros for -1.
 template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kThreads) gather_kernel(const scalar_t* hidden, int64_t sb, int64_t sl, int64_t sd,
-                                                          const int64_t* positions, const int64_t* starts,
+                                                          const int64_t* positions, OffsetsView starts,
                                                           int64_t batch, int64_t listed, int64_t dim, scalar_t* out) {
   const int lane = threadIdx.x % 32;
   const int64_t packs = dim / VEC;
   for_each_warp_row(batch * listed, [&](int64_t row) {
     const int64_t l = positions[row], b = row / listed;
-    const scalar_t* src = hidden + b * sb + (starts != nullptr ? starts[b] + l : l) * sl;
+    const scalar_t* src = hidden + b * sb + (starts ? starts[b] + l : l) * sl;
     for (int64_t v = lane; v < packs; v += 32) {
       Pack<scalar_t, VEC> p;
       if (l < 0) {
@@ -530,12 +530,12 @@ std::pair<Tensor, Tensor> invert_positions(const Tensor& positions, int64_t seq_
 // is the valid rows before it (the ballot's lower lanes and the earlier rounds). Stops after the width-th valid row
 // unless counts are asked for.
 __global__ void __launch_bounds__(kThreads)
-    find_rows_kernel(const bool* valid, const int64_t* offsets, int64_t batch, int64_t seq_len, bool last,
+    find_rows_kernel(const bool* valid, OffsetsView offsets, int64_t batch, int64_t seq_len, bool last,
                      int64_t width, int64_t* positions, int64_t* counts) {
   const int lane = threadIdx.x % 32;
   for_each_warp_row(batch, [&](int64_t b) {
-    const int64_t start = offsets != nullptr ? offsets[b] : b * seq_len;
-    const int64_t length = offsets != nullptr ? offsets[b + 1] - start : seq_len;
+    const int64_t start = offsets ? offsets[b] : b * seq_len;
+    const int64_t length = offsets ? offsets[b + 1] - start : seq_len;
     int64_t seen = 0;
     for (int64_t base = 0; base < length && (counts != nullptr || seen < width); base += 32) {
       const int64_t i = base + lane, at = last ? length - 1 - i : i;
@@ -600,9 +600,9 @@ __device__ void report_offsets(const index_t* cu, int64_t stride, int64_t batch,
   __assert_fail("lmk_ops input check (see the message above)", __FILE__, __LINE__, __func__);
 }
 
-// packed_offsets: offsets and (unless null) lengths from cu (grid-stride) and, where bounds.check, the lowest failure
-// key, found per block by a shared atomicMin; a lone block (failure null) reports it itself, blocks of a larger
-// grid leave it in *failure for report_offsets_failure.
+// packed_offsets: offsets and lengths (each unless null) from cu (grid-stride) and, where bounds.check, the lowest
+// failure key, found per block by a shared atomicMin; a lone block (failure null) reports it itself, blocks of a
+// larger grid leave it in *failure for report_offsets_failure.
 template <typename index_t>
 __global__ void __launch_bounds__(kThreads)
     convert_offsets(const index_t* cu, int64_t stride, int64_t batch, OffsetBounds bounds, int64_t* offsets,
@@ -615,7 +615,9 @@ __global__ void __launch_bounds__(kThreads)
   unsigned long long mine = kNoFailure;
   for (int64_t b = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; b <= batch; b += int64_t{gridDim.x} * blockDim.x) {
     const auto at = static_cast<int64_t>(cu[b * stride]);
-    offsets[b] = at;
+    if (offsets != nullptr) {
+      offsets[b] = at;
+    }
     if (b < batch) {
       const int64_t length = static_cast<int64_t>(cu[(b + 1) * stride]) - at;
       if (lengths != nullptr) {
@@ -832,7 +834,7 @@ void gather_forward(const Tensor& hidden, const Tensor& positions, const Tensor&
       gather_kernel<scalar_t, VEC><<<grid_for(batch * listed, kWarpsPerBlock), kThreads, 0, stream()>>>(
           hidden.const_data_ptr<scalar_t>(), packed ? 0 : hidden.stride(0), hidden.stride(packed ? 0 : 1),
           hidden.stride(packed ? 1 : 2), positions.const_data_ptr<int64_t>(),
-          packed ? starts.const_data_ptr<int64_t>() : nullptr, batch, listed, dim, out.mutable_data_ptr<scalar_t>());
+          OffsetsView(starts), batch, listed, dim, out.mutable_data_ptr<scalar_t>());
       check_launch();
     });
   });
@@ -861,8 +863,8 @@ void find_rows(const Tensor& valid, const Tensor& offsets, int64_t batch, int64_
     return;
   }
   find_rows_kernel<<<grid_for(batch, kWarpsPerBlock), kThreads, 0, stream()>>>(
-      valid.defined() ? valid.const_data_ptr<bool>() : nullptr,
-      offsets.defined() ? offsets.const_data_ptr<int64_t>() : nullptr, batch, seq_len, last, positions.size(1),
+      valid.defined() ? valid.const_data_ptr<bool>() : nullptr, OffsetsView(offsets), batch, seq_len, last,
+      positions.size(1),
       positions.mutable_data_ptr<int64_t>(), counts.defined() ? counts.mutable_data_ptr<int64_t>() : nullptr);
   check_launch();
 }
@@ -882,8 +884,8 @@ void shift_rows(const Tensor& values, const Tensor& starts, int64_t sign, Tensor
 }
 
 void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor& offsets, Tensor& lengths) {
-  const auto guard = on_device_of(offsets);
-  const int64_t batch = offsets.size(0) - 1;
+  const auto guard = on_device_of(cu_seqlens);
+  const int64_t batch = cu_seqlens.size(0) - 1;
   OffsetBounds bounds{0, std::numeric_limits<int64_t>::max(), checks != nullptr};
   OffsetMessages messages{};
   if (checks != nullptr) {
@@ -899,7 +901,7 @@ void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor
   const bool one_block = batch + 1 <= 4 * kThreads;
   Tensor failure;
   if (!one_block && checks != nullptr) {
-    failure = full_on(offsets, {1}, -1, ScalarType::Long);
+    failure = full_on(cu_seqlens, {1}, -1, ScalarType::Long);
   }
   auto* failure_data =
       failure.defined() ? reinterpret_cast<unsigned long long*>(failure.mutable_data_ptr<int64_t>()) : nullptr;
@@ -907,7 +909,7 @@ void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor
   LMK_DISPATCH_INDEX(cu_seqlens.scalar_type(), "packed_offsets", [&] {
     const index_t* cu = cu_seqlens.const_data_ptr<index_t>();
     convert_offsets<index_t><<<one_block ? 1 : grid_for(batch + 1, kThreads), kThreads, 0, stream()>>>(
-        cu, stride, batch, bounds, offsets.mutable_data_ptr<int64_t>(),
+        cu, stride, batch, bounds, offsets.defined() ? offsets.mutable_data_ptr<int64_t>() : nullptr,
         lengths.defined() ? lengths.mutable_data_ptr<int64_t>() : nullptr, failure_data, messages);
     check_launch();
     if (failure_data != nullptr) {

@@ -121,7 +121,7 @@ std::tuple<Tensor, Tensor> landmark_positions(const Tensor& mask, std::optional<
   int64_t batch = 0, seq_len = 0;
   if (cu_seqlens.has_value()) {
     const PackedBatch packed = prepare_packed(name, mask.size(0), mask, *cu_seqlens, std::nullopt, Values::kCheck,
-                                              "the landmark mask's entries", Lengths::kNone);
+                                              "the landmark mask's entries", PackedReads::kGivenOffsets);
     offsets = packed.offsets;
     batch = packed.batch;
   } else {

@@ -130,7 +130,7 @@ Tensor valid_mask(const Tensor& mask, std::string op) {
 Tensor packed_offsets(const Tensor& cu_seqlens, int64_t tokens, std::optional<int64_t> max_seqlen, std::string op) {
   LMK_CHECK(tokens >= 0, "lmk_ops.", op, ": expected T >= 0 rows, got ", tokens);
   return prepare_packed(op.c_str(), tokens, cu_seqlens, cu_seqlens, max_seqlen, Values::kCheck, "hidden's rows",
-                        Lengths::kNone)
+                        PackedReads::kOffsets)
       .offsets;  // a new tensor
 }
 

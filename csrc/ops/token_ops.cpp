@@ -29,7 +29,7 @@ std::tuple<Tensor, Tensor> token_pool(const Tensor& hidden, const std::optional<
   Tensor positions, starts;  // starts: a packed batch's offsets, which the gather adds to the positions
   int64_t batch = 0;
   if (cu_seqlens.has_value()) {
-    const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen, Lengths::kNone);
+    const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen, PackedReads::kGivenOffsets);
     const Tensor valid = prepare_packed_mask(op, mask, packed, hidden);
     positions = find_rows(hidden, valid, packed.offsets, packed.batch, 0, last);
     starts = packed.offsets;

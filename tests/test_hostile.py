@@ -443,6 +443,20 @@ def test_vmap_over_packed_batches_and_queries_runs_slice_by_slice():
         torch.vmap(lambda m: lmk_ops.landmark_positions(m))(torch.ones(3, 2, 4, dtype=torch.bool))
 
 
+def test_a_bad_value_under_vmap_is_named_in_its_own_slice():
+    # The folded call would name row 5 (slice 2, row 1): the error names the row of the mask the function saw.
+    marks = torch.zeros(3, 2, 5, dtype=torch.bool)
+    marks[2, 1, :3] = True
+    with pytest.raises(RuntimeError, match=r"lmk_ops.landmark_positions: expected at most num_landmarks = 2 landmarks "
+                                           r"per row, got 3 in row 1 \(in torch.vmap's slice 2\)$"):
+        torch.vmap(lambda m: lmk_ops.landmark_positions(m, 2))(marks)
+    mask = torch.ones(3, 2, 4, dtype=torch.long)
+    mask[1, 0, 3] = 2
+    with pytest.raises(RuntimeError, match=r"lmk_ops.mean_pool: expected .*got 2 at \[0, 3\] \(in torch.vmap's "
+                                           r"slice 1\)$"):
+        torch.vmap(lmk_ops.mean_pool)(torch.randn(3, 2, 4, 8), mask)
+
+
 # --- modules and helpers ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["cls", "last", "attention"])

@@ -24,9 +24,14 @@ _FOLDABLE = {
 }
 
 
+def _slice(args, in_dims, j):
+    """The arguments of vmapped slice j."""
+    return [a if d is None else a.select(d, j) for a, d in zip(args, in_dims)]
+
+
 def _slice_by_slice(op, batch_size, in_dims, args):
     """op on each vmapped slice, the results stacked along a new first dimension."""
-    results = [op(*(a if d is None else a.select(d, j) for a, d in zip(args, in_dims))) for j in range(batch_size)]
+    results = [op(*_slice(args, in_dims, j)) for j in range(batch_size)]
     if isinstance(results[0], torch.Tensor):
         return torch.stack(results), 0
     outputs = tuple(torch.stack(parts) for parts in zip(*results))
@@ -44,7 +49,18 @@ def _folded(op, batch_size, in_dims, args, text_args):
         if a is not None:
             a = a.expand(batch_size, *a.shape) if d is None else a.movedim(d, 0)
             folded[i] = a.flatten(0, 1)
-    result = op(*folded)
+    try:
+        result = op(*folded)
+    except RuntimeError:
+        # A bad value is named by its place in the folded batch (row j * B + b); the slices, one by one, name the
+        # place in what the user passed, and the message says which slice. (On CUDA the ops' value checks are
+        # device-side assertions, which print the folded place and cannot be caught here.)
+        for j in range(batch_size):
+            try:
+                op(*_slice(args, in_dims, j))
+            except RuntimeError as error:
+                raise RuntimeError(f"{error} (in torch.vmap's slice {j})") from None
+        raise
 
     def unfold(t):  # a per-text output [N * B, ...]; the ops' empty placeholders are the same for every slice
         return (t.unflatten(0, (batch_size, texts)), 0) if t.dim() > 0 and t.shape[0] == batch_size * texts \

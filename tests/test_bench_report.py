@@ -27,10 +27,12 @@ def test_report_writes_a_clean_table_and_its_json(tmp_path, capsys):
     assert {(r["op"], r["mode"]) for r in report["rows"]} == {
         (op, mode) for op in ("mean_pool", "max_pool") for mode in ("forward", "forward+backward")}
     assert all(r["x_floor"] > 0 for r in report["rows"] if r["mode"] == "forward")
-    packed = [(r["op"], r["dtype"], r["batch"].split(",")[0]) for r in report["packed_rows"]]  # each op, each batch
-    assert sorted(packed) == sorted((op, "float32", batch) for op in ("mean_pool", "max_pool")
-                                    for batch in ("3 texts", "2 texts")), packed
-    assert all(r["lmk_ops_ms"] > 0 and r["padded_ms"] > 0 and r["floor_ms"] > 0 for r in report["packed_rows"])
+    packed = [(r["op"], r["dtype"], r["batch"].split(",")[0], r["mode"]) for r in report["packed_rows"]]
+    assert sorted(packed) == sorted((op, "float32", batch, mode) for op in ("mean_pool", "max_pool")  # each op, batch
+                                    for batch in ("3 texts", "2 texts") for mode in ("forward", "forward+backward"))
+    assert all(r["lmk_ops_ms"] > 0 and r["padded_ms"] > 0 and r["floor_ms"] > 0 and r["index_add_ms"] > 0
+               for r in report["packed_rows"])
+    assert all((r["x_floor"] is not None) == (r["mode"] == "forward") for r in report["packed_rows"])
     for line in out.splitlines():
         if line.startswith(("mean_pool", "max_pool")):
             assert len(line.split()) >= 6, line

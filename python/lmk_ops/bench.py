@@ -2,7 +2,9 @@
 
 For each op x dtype x shape it times, in one process, lmk_ops, the eager reference (lmk_ops.reference, the code
 people write) and ``torch.compile`` of that reference, forward and forward+backward, and compares the forward
-with the read floor: ``hidden.sum()`` on the same tensor in the same run, which reads every byte once.
+with the read floor: ``hidden.sum()`` on the same tensor in the same run, which reads every byte once. Then each
+pooling entry on packed batches of mixed lengths (``cu_seqlens``), forward and forward+backward, against lmk_ops on
+the same texts padded and plain-PyTorch contenders (``torch.segment_reduce``, ``index_add``).
 Medians over repeated samples after warm-up; on CUDA a sample is about 2 ms of back-to-back calls between two CUDA
 events (call_ms).
 """
@@ -341,21 +343,22 @@ def packed_lengths(spec) -> list[int]:
     return torch.randint(lo, hi + 1, (batch,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
-def packed_contenders(op: str, hidden, offsets, landmarks):
-    """Plain-PyTorch ways of pooling the packed batch (lmk_ops.reference): None where a contender has no version."""
+def packed_contenders(op: str, offsets, landmarks) -> dict:
+    """Plain-PyTorch ways of pooling the packed batch (lmk_ops.reference), as functions of hidden [T, D]: None where a
+    contender has no version."""
     if op == "mean_pool":
-        return {"segment_reduce": lambda: reference.segment_mean(hidden, offsets),
-                "index_add": lambda: reference.index_add_mean(hidden, offsets),
-                "index_add_fp32": lambda: reference.index_add_mean(hidden, offsets, torch.float32)}
+        return {"segment_reduce": lambda h: reference.segment_mean(h, offsets),
+                "index_add": lambda h: reference.index_add_mean(h, offsets),
+                "index_add_fp32": lambda h: reference.index_add_mean(h, offsets, torch.float32)}
     if op == "max_pool":
-        return {"segment_reduce": lambda: reference.segment_max(hidden, offsets),
-                "index_add": lambda: reference.scatter_max(hidden, offsets), "index_add_fp32": None}
+        return {"segment_reduce": lambda h: reference.segment_max(h, offsets),
+                "index_add": lambda h: reference.scatter_max(h, offsets), "index_add_fp32": None}
     if op in LANDMARK_ENTRIES:
         return {"segment_reduce": None,
-                "index_add": lambda: reference.index_add_mean(hidden, offsets, rows=landmarks),
-                "index_add_fp32": lambda: reference.index_add_mean(hidden, offsets, torch.float32, landmarks)}
+                "index_add": lambda h: reference.index_add_mean(h, offsets, rows=landmarks),
+                "index_add_fp32": lambda h: reference.index_add_mean(h, offsets, torch.float32, landmarks)}
     if op == "first_token_pool":  # sentence-transformers' flattened cls: the row at each text's start
-        return {"segment_reduce": None, "index_add": lambda: hidden[offsets[:-1].long()], "index_add_fp32": None}
+        return {"segment_reduce": None, "index_add": lambda h: h[offsets[:-1].long()], "index_add_fp32": None}
     return {"segment_reduce": None, "index_add": None, "index_add_fp32": None}
 
 
@@ -364,6 +367,7 @@ class PackedRow:
     op: str
     dtype: str
     batch: str  # "B texts, T x D"
+    mode: str  # "forward" or "forward+backward"
     lmk_ops_ms: float  # packed
     padded_ms: float  # lmk_ops on the same texts padded (right) to the longest
     segment_reduce_ms: float | None
@@ -372,8 +376,8 @@ class PackedRow:
     floor_ms: float  # hidden.sum() on the packed [T, D]
 
     @property
-    def x_floor(self) -> float:
-        return self.lmk_ops_ms / self.floor_ms
+    def x_floor(self) -> float | None:
+        return self.lmk_ops_ms / self.floor_ms if self.mode == "forward" else None
 
     @property
     def vs_best(self) -> float | None:
@@ -385,7 +389,10 @@ class PackedRow:
         return self.padded_ms / self.lmk_ops_ms
 
 
-def bench_packed(op, dtype_name, spec, device) -> PackedRow:
+def bench_packed(op, dtype_name, spec, device) -> list[PackedRow]:
+    """The forward and the forward+backward rows of op on the packed batch `spec`. Every contender is a function of
+    (hidden, query): the packed [T, D] (for lmk_ops padded, the same texts padded) and attention's query (else
+    None); forward+backward differentiates both, as the padded rows do."""
     lengths = packed_lengths(spec)
     dtype, dim = DTYPES[dtype_name], spec[2]
     tokens = sum(lengths)
@@ -395,39 +402,54 @@ def bench_packed(op, dtype_name, spec, device) -> PackedRow:
     longest = max(lengths)
     packed_kw: dict[str, Any] = {"cu_seqlens": offsets, "max_seqlen": longest}
     landmarks = None  # the packed landmark mask, for landmark_mean's contenders
+    query = None
     row_name = op
     if op in LANDMARK_ENTRIES:
         padded_landmarks = landmark_layout(valid, LANDMARK_ENTRIES[op])
         landmark_rows = landmarks = padded_landmarks[valid]
-        ours = lambda: lmk_ops.landmark_mean(hidden, landmark_rows, **packed_kw)  # noqa: E731
-        theirs = lambda: lmk_ops.landmark_mean(padded, padded_landmarks)  # noqa: E731
+        ours = lambda h, q: lmk_ops.landmark_mean(h, landmark_rows, **packed_kw)  # noqa: E731
+        theirs = lambda h, q: lmk_ops.landmark_mean(h, padded_landmarks)  # noqa: E731
     elif op in ATTENTION_ENTRIES:  # named by its heads, as the padded rows are
         heads = ATTENTION_ENTRIES[op](dim)
         row_name = f"attention_pool@{heads}h"
         query = torch.randn(heads, dim // heads, generator=torch.Generator().manual_seed(2)).to(device, dtype)
-        ours = lambda: lmk_ops.attention_pool(hidden, None, query, **packed_kw)  # noqa: E731
-        theirs = lambda: lmk_ops.attention_pool(padded, valid, query)  # noqa: E731
+        ours = lambda h, q: lmk_ops.attention_pool(h, None, q, **packed_kw)  # noqa: E731
+        theirs = lambda h, q: lmk_ops.attention_pool(h, valid, q)  # noqa: E731
     else:
         fn = getattr(lmk_ops, op)
-        ours = lambda: fn(hidden, **packed_kw)  # noqa: E731
-        theirs = lambda: fn(padded, valid)  # noqa: E731
+        ours = lambda h, q: fn(h, **packed_kw)  # noqa: E731
+        theirs = lambda h, q: fn(h, valid)  # noqa: E731
+    contenders = {name: (lambda h, q, f=f: f(h)) if f is not None else None
+                  for name, f in packed_contenders(op, offsets, landmarks).items()}
+    fns = {"ours": ours, "padded": theirs, **contenders}
+    inputs = {name: padded if name == "padded" else hidden for name in fns}
     with torch.no_grad():
-        times = time_together({"ours": ours, "padded": theirs, "floor": lambda: hidden.sum(),
-                               **packed_contenders(op, hidden, offsets, landmarks)}, device)
-        floor = times["floor"]
-    return PackedRow(row_name, dtype_name, f"{len(lengths)} texts, {tokens}x{dim}", times["ours"], times["padded"],
-                     times["segment_reduce"], times["index_add"], times["index_add_fp32"], floor)
+        times = time_together({"floor": lambda: hidden.sum(), **{
+            name: (lambda f=f, h=inputs[name]: f(h, query)) if f is not None else None for name, f in fns.items()}},
+            device)
+    floor = times["floor"]
+    batch = f"{len(lengths)} texts, {tokens}x{dim}"
+    rows = [PackedRow(row_name, dtype_name, batch, "forward", times["ours"], times["padded"], times["segment_reduce"],
+                      times["index_add"], times["index_add_fp32"], floor)]
+    grad = torch.randn(len(lengths), dim, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+    leaves = {name: (h.detach().requires_grad_(), None if query is None else query.clone().requires_grad_())
+              for name, h in inputs.items()}
+    times = time_together({name: (lambda f=f, h=leaves[name]: torch.autograd.grad(
+        f(*h), [t for t in h if t is not None], grad)) if f is not None else None for name, f in fns.items()}, device)
+    rows.append(PackedRow(row_name, dtype_name, batch, "forward+backward", times["ours"], times["padded"],
+                          times["segment_reduce"], times["index_add"], times["index_add_fp32"], floor))
+    return rows
 
 
-PACKED_HEADER = (f"{'packed op':<18} {'dtype':<9} {'batch':<22} {'lmk_ops':>9} {'padded':>9} {'seg_red':>9} "
-                 f"{'idx_add':>9} {'idx_f32':>9} {'x floor':>8} {'vs best':>8} {'vs padded':>9}")
+PACKED_HEADER = (f"{'packed op':<18} {'dtype':<9} {'batch':<22} {'mode':<16} {'lmk_ops':>9} {'padded':>9} "
+                 f"{'seg_red':>9} {'idx_add':>9} {'idx_f32':>9} {'x floor':>8} {'vs best':>8} {'vs padded':>9}")
 
 
 def format_packed_row(r: PackedRow) -> str:
-    return (f"{r.op:<18} {r.dtype:<9} {r.batch:<22} {r.lmk_ops_ms:8.3f}m {r.padded_ms:8.3f}m "
+    return (f"{r.op:<18} {r.dtype:<9} {r.batch:<22} {r.mode:<16} {r.lmk_ops_ms:8.3f}m {r.padded_ms:8.3f}m "
             f"{_cell(r.segment_reduce_ms, '8.3f', 9, 'm')} {_cell(r.index_add_ms, '8.3f', 9, 'm')} "
-            f"{_cell(r.index_add_fp32_ms, '8.3f', 9, 'm')} {r.x_floor:7.2f}x {_cell(r.vs_best, '7.2f', 8, 'x')} "
-            f"{r.vs_padded:8.2f}x")
+            f"{_cell(r.index_add_fp32_ms, '8.3f', 9, 'm')} {_cell(r.x_floor, '7.2f', 8, 'x')} "
+            f"{_cell(r.vs_best, '7.2f', 8, 'x')} {r.vs_padded:8.2f}x")
 
 
 def parse_packed(text: str) -> list:
@@ -582,8 +604,9 @@ def main(argv=None) -> int:
         print(PACKED_HEADER, flush=True)
     for i, (op, dt, spec) in enumerate(packed_cases, 1):
         print(f"  [packed {i}/{len(packed_cases)}] {op} {dt} ...", end="\r", file=sys.stderr, flush=True)
-        packed_rows.append(bench_packed(op, dt, spec, args.device))
-        print(format_packed_row(packed_rows[-1]), flush=True)
+        for packed_row in bench_packed(op, dt, spec, args.device):
+            packed_rows.append(packed_row)
+            print(format_packed_row(packed_row), flush=True)
         write_json(complete=False)
     print(f"\n{len(cases) + len(packed_cases)} cases in {time.perf_counter() - started:.0f} s")
     write_json(complete=True)

@@ -154,7 +154,8 @@ def landmark_positions(landmark_mask: Tensor, num_landmarks: int | None = None, 
 
     ``K`` is ``num_landmarks`` when given (a row with more landmarks is an error, eagerly and inside a compiled
     graph; on CUDA a device-side assertion, as for the ops' other value checks), else the largest count in the
-    batch. One op (one pass over the mask) on every device.
+    batch. One op on every device: one pass over the mask with ``num_landmarks``, two without it (the first
+    counts, and K is read back to the host).
     With ``num_landmarks`` given this traces under ``torch.compile(fullgraph=True)`` and runs on meta tensors;
     without it the output shape depends on the data, which needs the values: ``torch.compile`` then breaks the
     graph to count them (``fullgraph=True`` refuses, saying to pass ``num_landmarks``).

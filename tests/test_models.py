@@ -93,6 +93,19 @@ def test_training_intervals_are_reproducible(tokenizer):
     assert torch.equal(run().landmark_mask, run().landmark_mask)
 
 
+@pytest.mark.parametrize("options,expected", [
+    ({"interval": 2.0}, r"expected interval as an int in \[1, 2\*\*63\).*got 2.0"),
+    ({"training_intervals": [0, 2]}, r"expected a non-empty list of integer intervals .*got \[0, 2\]"),
+    ({"max_length": 2.5}, r"expected max_length as an int in \[1, 2\*\*63\) or None, got 2.5"),
+    ({"max_length": 1}, r"expected max_length >= 1 leading"),
+])
+def test_tokenize_with_landmarks_names_itself_in_the_errors_of_its_arguments(tokenizer, options, expected):
+    # Checked inside insert_landmarks or sample_intervals (or, for a float max_length, by the tokenizer, which raised
+    # a bare TypeError): the error names the function the user called.
+    with pytest.raises(ValueError, match=r"^lmk_ops.hf.tokenize_with_landmarks: " + expected):
+        hf.tokenize_with_landmarks(tokenizer, ["a b", "c d e"], **options)
+
+
 class _RecordingTokenizer:
     """The tokenizer, recording how wide each batch it tokenizes is."""
 

@@ -208,6 +208,9 @@ def tokenize_with_landmarks(
                          f"{texts if not texts else [type(t).__name__ for t in texts]}")
     if not is_flag(packed):  # "no" would be taken for True
         raise ValueError(f"lmk_ops.hf.tokenize_with_landmarks: expected packed as a bool, got {packed!r}")
+    if max_length is not None and (not is_integer(max_length) or max_length < 1):  # before the tokenizer sees it
+        raise ValueError(f"lmk_ops.hf.tokenize_with_landmarks: expected max_length as an int in [1, 2**63) or None, "
+                         f"got {max_length!r}")
     if max_length is None and getattr(tokenizer, "model_max_length", None) and tokenizer.model_max_length < 10**6:
         max_length = tokenizer.model_max_length
     want_offsets = sentence_ends is not None
@@ -215,13 +218,20 @@ def tokenize_with_landmarks(
     cut = cut_before_insertion(max_length, layout)
     encoded = tokenizer(texts, padding=True, truncation=cut is not None, max_length=cut, return_tensors="pt",
                         verbose=False, return_offsets_mapping=want_offsets)
-    every: int | torch.Tensor = interval
-    if training_intervals is not None:
-        every = sample_intervals(len(texts), training_intervals, generator=generator)
-    flags = _sentence_end_flags(encoded["offset_mapping"], encoded["attention_mask"],
-                                _sentence_ends_of_texts(texts, sentence_ends, one_text)) if want_offsets else None
-    batch = insert_for_tokenizer(tokenizer, encoded["input_ids"], encoded["attention_mask"],
-                                 landmark_id=landmark_token_id(tokenizer, landmark_token), layout=layout,
-                                 interval=every, sentence_ends=flags, max_length=max_length)
+    try:
+        every: int | torch.Tensor = interval
+        if training_intervals is not None:
+            every = sample_intervals(len(texts), training_intervals, generator=generator)
+        flags = _sentence_end_flags(encoded["offset_mapping"], encoded["attention_mask"],
+                                    _sentence_ends_of_texts(texts, sentence_ends, one_text)) if want_offsets else None
+        batch = insert_for_tokenizer(tokenizer, encoded["input_ids"], encoded["attention_mask"],
+                                     landmark_id=landmark_token_id(tokenizer, landmark_token), layout=layout,
+                                     interval=every, sentence_ends=flags, max_length=max_length)
+    except ValueError as error:  # an argument passed on (interval, training_intervals, max_length): named as the
+        # user passed it, to this function
+        inner = re.match(r"lmk_ops\.(insert_landmarks|sample_intervals): ", str(error))
+        if inner is None:
+            raise
+        raise ValueError(f"lmk_ops.hf.tokenize_with_landmarks: {str(error)[inner.end():]}") from None
     return batch.packed() if packed else batch
 

@@ -2,7 +2,9 @@
 
 ``LandmarkTransformer`` is a ``sentence_transformers`` Transformer module that tokenizes with landmarks (untruncated,
 landmarks inserted, then truncated to ``max_seq_length``) and passes the ``landmark_mask`` on; ``LandmarkPooling``
-pools with lmk_ops. Both save with ``model.save(path)`` and load back with ``SentenceTransformer(path)``::
+pools with lmk_ops. Both save with ``model.save(path)`` and load back with ``SentenceTransformer(path,
+trust_remote_code=True)`` (sentence-transformers asks for it before importing a module class from outside its own
+package, an installed one included)::
 
     from sentence_transformers import SentenceTransformer
     from lmk_ops.sentence_transformers import LandmarkPooling, LandmarkTransformer

@@ -16,7 +16,8 @@ namespace lmk_ops {
 
 struct PackedBatch {
   Tensor offsets;  // cu_seqlens as int64 [B + 1], contiguous: its first B entries are the texts' starts (with
-                   // PackedReads::kGivenOffsets, cu_seqlens itself where it is contiguous, int32 or int64)
+                   // PackedReads::kGivenOffsets, cu_seqlens itself where it is contiguous, int32 or int64, which
+                   // only find_rows and gather_forward take: not the methods below nor the other kernels)
   Tensor lengths;  // [B]: offsets[1:] - offsets[:-1], contiguous (undefined but with PackedReads::kLengths)
   int64_t batch = 0;
   int64_t tokens = 0;  // T

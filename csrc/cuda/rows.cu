@@ -864,8 +864,8 @@ void find_rows(const Tensor& valid, const Tensor& offsets, int64_t batch, int64_
   }
   find_rows_kernel<<<grid_for(batch, kWarpsPerBlock), kThreads, 0, stream()>>>(
       valid.defined() ? valid.const_data_ptr<bool>() : nullptr, OffsetsView(offsets), batch, seq_len, last,
-      positions.size(1),
-      positions.mutable_data_ptr<int64_t>(), counts.defined() ? counts.mutable_data_ptr<int64_t>() : nullptr);
+      positions.size(1), positions.mutable_data_ptr<int64_t>(),
+      counts.defined() ? counts.mutable_data_ptr<int64_t>() : nullptr);
   check_launch();
 }
 

@@ -11,7 +11,8 @@ from typing import Literal, Optional, Union, overload
 import torch
 
 from ._checks import is_flag, is_integer
-from .landmarks import PAPER_TRAINING_INTERVALS, LandmarkBatch, PackedLandmarkBatch, insert_landmarks, sample_intervals
+from .landmarks import (PAPER_TRAINING_INTERVALS, LandmarkBatch, PackedLandmarkBatch, insert_landmarks,
+                        max_length_problem, sample_intervals)
 
 __all__ = ["PAPER_TRAINING_INTERVALS", "add_landmark_token", "cut_before_insertion", "insert_for_tokenizer",
            "landmark_token_id", "simple_sentence_ends", "special_token_layout", "tokenize_with_landmarks"]
@@ -208,9 +209,11 @@ def tokenize_with_landmarks(
                          f"{texts if not texts else [type(t).__name__ for t in texts]}")
     if not is_flag(packed):  # "no" would be taken for True
         raise ValueError(f"lmk_ops.hf.tokenize_with_landmarks: expected packed as a bool, got {packed!r}")
-    if max_length is not None and (not is_integer(max_length) or max_length < 1):  # before the tokenizer sees it
-        raise ValueError(f"lmk_ops.hf.tokenize_with_landmarks: expected max_length as an int in [1, 2**63) or None, "
-                         f"got {max_length!r}")
+    problem = max_length_problem(max_length)  # before the tokenizer sees it
+    if problem is not None:
+        raise ValueError(f"lmk_ops.hf.tokenize_with_landmarks: {problem}")
+    if max_length is not None:
+        max_length = int(max_length)  # a NumPy or 0-d tensor integer too, as insert_landmarks takes it
     if max_length is None and getattr(tokenizer, "model_max_length", None) and tokenizer.model_max_length < 10**6:
         max_length = tokenizer.model_max_length
     want_offsets = sentence_ends is not None

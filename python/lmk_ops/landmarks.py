@@ -131,6 +131,13 @@ def _fail(message: str) -> None:
     raise ValueError(f"lmk_ops.insert_landmarks: {message}")
 
 
+def max_length_problem(max_length) -> str | None:
+    """What is wrong with a max_length (None: nothing), for insert_landmarks and hf.tokenize_with_landmarks."""
+    if max_length is not None and (not is_int(max_length) or max_length < 1):
+        return f"expected max_length as an int in [1, 2**63) or None, got {max_length!r}"
+    return None
+
+
 def _check_flags(name: str, flags, input_ids: Tensor) -> None:
     """A [B, L] bool or integer tensor beside input_ids (attention_mask, sentence_ends); the op checks that an
     integer one holds 0/1 as it reads it."""
@@ -175,8 +182,9 @@ def _check_inputs(input_ids, attention_mask, interval, sentence_ends, num_leadin
         _fail(f"expected keep_trailing as a bool, got {keep_trailing!r}")
     if padding_side not in (None, "left", "right"):
         _fail(f"expected padding_side 'left', 'right' or None (as the input), got {padding_side!r}")
-    if max_length is not None and (not is_int(max_length) or max_length < 1):
-        _fail(f"expected max_length as an int in [1, 2**63) or None, got {max_length!r}")
+    problem = max_length_problem(max_length)
+    if problem is not None:
+        _fail(problem)
 
 
 def insert_landmarks(

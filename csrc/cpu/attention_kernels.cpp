@@ -27,7 +27,6 @@
 // whose sums overflow (rows near float32's or float64's maximum) is summed again wider (redo_wide).
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -37,6 +36,7 @@
 #include "cpu/bf16_pairs.h"
 #include "cpu/exp.h"
 #include "cpu/kernel_common.h"
+#include "cpu/row_bytes.h"
 
 namespace lmk_ops::cpu::CPU_CAPABILITY {
 namespace {
@@ -1208,7 +1208,7 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
       const int64_t l = offsets != nullptr ? r : r % seq_len;
       scalar_t* dst = gh + r * dim;
       if (is_valid != nullptr && !is_valid[r]) {
-        std::memset(static_cast<void*>(dst), 0, dim * sizeof(scalar_t));
+        zero_row_bytes(dst, dim * sizeof(scalar_t));
         continue;
       }
       acc* row = wide.empty() ? reinterpret_cast<acc*>(dst) : wide.data();

@@ -3,13 +3,13 @@
 #include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
-#include <cstring>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "common/dispatch.h"
 #include "common/error.h"
+#include "cpu/row_bytes.h"
 
 namespace lmk_ops::cpu {
 namespace {
@@ -28,8 +28,9 @@ std::vector<int32_t> times_listed(const RowSelection& rows, int64_t batch, int64
   return times;
 }
 
-// Writes every row of grad_hidden once, split over (b, l) rows: a row selected once is a memcpy of its text's
-// scaled gradient, an unselected row a memset, a row listed several times the scaled gradient times that count.
+// Writes every row of grad_hidden once, split over (b, l) rows: a row selected once is a copy of its text's
+// scaled gradient, an unselected row zeros (row_bytes.h), a row listed several times the scaled gradient times that
+// count.
 // offsets (a packed batch's [B + 1], or null): grad_hidden is [1, T, D] and row t is text b's where offsets[b] <= t
 // < offsets[b + 1].
 template <typename scalar_t, typename times_t>
@@ -54,9 +55,9 @@ void write_weighted_rows(const Tensor& scaled_wide, const times_t* times, const 
       const int64_t n = times == nullptr ? 1 : static_cast<int64_t>(times[row]);
       scalar_t* out_row = dst + row * dim;
       if (n == 1) {
-        std::memcpy(out_row, src + b * dim, row_bytes);
+        copy_row_bytes(out_row, src + b * dim, row_bytes);
       } else if (n == 0) {
-        std::memset(out_row, 0, row_bytes);
+        zero_row_bytes(out_row, row_bytes);
       } else {
         for (int64_t d = 0; d < dim; ++d) {
           out_row[d] = static_cast<scalar_t>(src_wide[b * dim + d] * static_cast<acc>(n));
@@ -67,7 +68,7 @@ void write_weighted_rows(const Tensor& scaled_wide, const times_t* times, const 
 }
 
 // out[b, k] = hidden[b, positions[b, k]] (packed: hidden[starts[b] + positions[b, k]]), zeros where the position is
-// -1. Split over (b, k) rows: each output row is written once (a memcpy when hidden's features are contiguous).
+// -1. Split over (b, k) rows: each output row is written once (copied whole when hidden's features are contiguous).
 template <typename scalar_t>
 void gather_rows(const Tensor& hidden, const Tensor& positions, const Tensor& starts, Tensor& out) {
   const OffsetsView first(starts);
@@ -84,13 +85,13 @@ void gather_rows(const Tensor& hidden, const Tensor& positions, const Tensor& st
       const int64_t l = p[row];
       scalar_t* dst = o + row * dim;
       if (l < 0) {
-        std::memset(dst, 0, dim * sizeof(scalar_t));
+        zero_row_bytes(dst, dim * sizeof(scalar_t));
         continue;
       }
       const int64_t b = row / listed;
       const scalar_t* src = h + b * sb + (packed ? first[b] + l : l) * sl;
       if (sd == 1) {
-        std::memcpy(dst, src, dim * sizeof(scalar_t));
+        copy_row_bytes(dst, src, dim * sizeof(scalar_t));
       } else {
         for (int64_t d = 0; d < dim; ++d) {
           dst[d] = src[d * sd];
@@ -127,7 +128,7 @@ void scatter_rows(const Tensor& grad, const Tensor& positions, Tensor& grad_hidd
         scalar_t* dst = out + (b * seq_len + rows[first].first) * dim;
         const scalar_t* src = g + (b * listed + rows[first].second) * dim;
         if (last - first == 1) {
-          std::memcpy(dst, src, dim * sizeof(scalar_t));
+          copy_row_bytes(dst, src, dim * sizeof(scalar_t));
           continue;
         }
         std::fill(sum.begin(), sum.end(), acc(0));
@@ -330,7 +331,7 @@ void gather_forward(const Tensor& hidden, const Tensor& positions, const Tensor&
 }
 
 void gather_backward(const Tensor& grad, const Tensor& positions, Tensor& grad_hidden) {
-  // Most rows are not landmarks, and a memset of the whole gradient is the cheapest way to write them.
+  // Most rows are not landmarks, and zero-filling the whole gradient first is the cheapest way to write them.
   torch::stable::zero_(grad_hidden);
   LMK_DISPATCH_FLOATING(grad.scalar_type(), "landmark_gather_backward", [&] {
     scatter_rows<scalar_t>(grad, positions, grad_hidden);

@@ -23,6 +23,7 @@ def test_report_writes_a_clean_table_and_its_json(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "\r" not in out and "[1/" in err  # progress only on stderr
     report = json.loads(path.read_text())
+    assert report["huge_pages"] == bench.huge_pages() and out.splitlines()[0].endswith(bench.huge_pages())
     assert report["complete"] is True and not path.with_name("report.json.partial").exists()
     assert {(r["op"], r["mode"]) for r in report["rows"]} == {
         (op, mode) for op in ("mean_pool", "max_pool") for mode in ("forward", "forward+backward")}
@@ -90,6 +91,17 @@ def test_a_capability_set_by_hand_compiles_into_its_own_cache(environ, separate)
         assert folder is not None and folder.endswith("_avx2") and environ["TORCHINDUCTOR_CACHE_DIR"] == folder
     else:
         assert folder is None and environ == before
+
+
+@pytest.mark.parametrize("environ,switch", [
+    ({}, "THP_MEM_ALLOC_ENABLE unset"),
+    ({"THP_MEM_ALLOC_ENABLE": "1"}, "THP_MEM_ALLOC_ENABLE =1"),
+    ({"THP_MEM_ALLOC_ENABLE": "yes"}, "THP_MEM_ALLOC_ENABLE ='yes' (off: torch takes only 1)"),
+])
+def test_the_report_says_how_cpu_tensors_get_their_pages(environ, switch):
+    """A CPU backward's time is mostly the page faults of its fresh gradient: the report names the kernel's
+    transparent-huge-page mode and torch's THP_MEM_ALLOC_ENABLE, which change them."""
+    assert re.fullmatch(rf"THP (always|madvise|never|unknown), {re.escape(switch)}", bench.huge_pages(environ))
 
 
 @pytest.mark.parametrize("args,message", [

@@ -21,7 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -493,6 +493,21 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def huge_pages(environ: Mapping[str, str] = os.environ) -> str:
+    """How torch's CPU tensors get their pages: the kernel's transparent-huge-page mode, and torch's own switch,
+    THP_MEM_ALLOC_ENABLE=1, which asks for 2 MiB pages on its large tensors. A CPU backward writes a fresh gradient
+    as large as hidden, and the page faults of its 4 KiB pages can take most of its time (README, "For CPU training
+    with large batches")."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = next((w[1:-1] for w in f.read().split() if w.startswith("[")), "unknown")
+    except OSError:
+        mode = "unknown"
+    value = environ.get("THP_MEM_ALLOC_ENABLE")
+    switch = "unset" if value is None else "=1" if value == "1" else f"={value!r} (off: torch takes only 1)"
+    return f"THP {mode}, THP_MEM_ALLOC_ENABLE {switch}"
+
+
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     shapes = []
     for item in text.split(","):
@@ -556,8 +571,10 @@ def main(argv=None) -> int:
               "tell capabilities apart)", file=sys.stderr)
     info = lmk_ops.build_info()
     machine = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
+    pages = huge_pages() if args.device == "cpu" else None
     print(f"lmk_ops {info['version']} | torch {torch.__version__} | {args.device}: {machine} | "
-          f"{torch.get_num_threads()} threads | CPU kernels {info['cpu_capability']} | padding {args.padding:.0%}")
+          f"{torch.get_num_threads()} threads | CPU kernels {info['cpu_capability']} | padding {args.padding:.0%}"
+          + (f" | {pages}" if pages else ""))
     print("times are medians in ms; 'x floor' = lmk_ops forward time / hidden.sum() time on the same tensor; "
           "'vs mean_pool' = lmk_ops.mean_pool forward time / landmark_mean forward time on the same tensor\n")
     print(HEADER, flush=True)
@@ -576,7 +593,7 @@ def main(argv=None) -> int:
             "command": " ".join(["python", "-m", "lmk_ops.bench", *(argv if argv is not None else sys.argv[1:])]),
             "complete": complete, "device": args.device, "machine": machine, "platform": platform.platform(),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "build_info": info,
-            "padding": args.padding,
+            "padding": args.padding, "huge_pages": pages,
             "rows": [asdict(r) | {"vs_eager": r.vs_eager, "vs_compiled": r.vs_compiled, "x_floor": r.x_floor,
                                   "vs_mean_pool": r.vs_mean_pool} for r in rows],
             "packed_rows": [asdict(r) | {"x_floor": r.x_floor, "vs_best": r.vs_best, "vs_padded": r.vs_padded}

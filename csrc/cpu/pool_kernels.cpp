@@ -45,10 +45,14 @@ inline void keep_max(Vec<acc>& best, Vec<same_size_int<acc>>& where, Vec<acc> x,
 // widening pass a quarter as often): float32 1x32768x1024 1.09-1.13x -> 1.02-1.08x, 8x4096x1024 1.07-1.14x ->
 // 0.97-1.04x, 32x512x768 1.39-1.47x -> 1.34-1.38x, a packed batch of 120 texts x 768 1.23-1.26x -> 1.17-1.18x.
 //
-// 16-bit rows and the maximum go one row after another, each read whole as one contiguous run: a stream the hardware
-// prefetchers follow, helped by a software prefetch (kPrefetchRows). Four rows side by side were slower there: the
-// mean of bfloat16 (pair blocks) 1.13x -> 1.44x hidden.sum()'s time, the maximum (maxima in registers across the
-// rows) no faster in float32 and slower at 32x512x768 (1.20-1.36x -> 1.56-1.65x). A 16-bit run of 32 single rows
+// The maximum goes one row after another, each read whole as one contiguous run: a stream the hardware prefetchers
+// follow, helped by a software prefetch (kPrefetchRows). Four rows side by side (maxima in registers across the
+// rows) were no faster in float32 and slower at 32x512x768 (1.20-1.36x -> 1.56-1.65x). So did 16-bit rows of the
+// mean, and grouped (x0 + x1) + (x2 + x3) four of them read side by side were slower on Zen 3 (bfloat16 pair blocks
+// 1.13x -> 1.44x hidden.sum()'s time); added one after another as single rows are (the same bits), with only the
+// sums kept in registers across four (SumReducer::add_four_rows), they are faster on the 2-core Intel Xeon
+// (AVX-512) where the rows are in cache and level from memory: packed 32 texts of 16-128 tokens x 768 bfloat16
+// 1.42-1.51x -> 1.33-1.42x, the 120 texts 0.67-0.68x -> 0.60-0.65x, 1x32768x1024 unchanged. A 16-bit run of 32 rows
 // is up to 8 float32 ulp off on a constant column, 2^13 times below half a bfloat16 ulp (2^10 for float16), and the
 // result is rounded to theirs; runs of 8 -> 32, three rounds: bfloat16 1x32768x1024 0.97-1.00x -> 0.85-0.91x,
 // 32x512x768 1.00-1.06x -> 0.82-0.92x; float16 8x4096x1024 0.81-0.84x -> 0.73-0.75x, 32x512x768 1.15-1.21x ->
@@ -449,11 +453,11 @@ struct MaxReducer {
 };
 
 // Shared driver of the forward kernels: runs a Reducer over every (text, chunk, feature block) task of the listed
-// rows (for_each_chunk), one row after another (init() the first, add_row() the rest: see kFoldRows on why not in
-// groups, as attention's reducers take them) or, where the Reducer takes kRowsTogether > 1 rows at a time, from
-// start() in groups of that many (add_rows) and the rest one by one; it hands the reduced block to chunk_done(b,
-// chunk, d0, n, reducer, rows), rows being the text's selected row count; then combine(b, d0, n, rows) finishes the
-// texts of several chunks.
+// rows (for_each_chunk), one row after another (init() the first, add_row() the rest, or add_four_rows() four at a
+// time within a run where the Reducer has it: see kFoldRows on why not in groups, as attention's reducers take them)
+// or, where the Reducer takes kRowsTogether > 1 rows at a time, from start() in groups of that many (add_rows) and
+// the rest one by one; it hands the reduced block to chunk_done(b, chunk, d0, n, reducer, rows), rows being the
+// text's selected row count; then combine(b, d0, n, rows) finishes the texts of several chunks.
 template <typename scalar_t, typename Reducer, typename ChunkDone, typename Combine>
 void pool_forward(const Tensor& hidden, const RowList& list, const ChunkPlan& plan, const ChunkDone& chunk_done,
                   const Combine& combine) {

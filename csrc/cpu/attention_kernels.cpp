@@ -919,18 +919,14 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
         for (int64_t j = begin; j < end; ++j) {
           dst[j] = weighted[j] / total * reducer.unscale;
         }
-      } else if (pairs) {
-        const double factor = 1.0 / reducer.total_sum[k] * reducer.unscale;
-        for (int64_t j = begin; j < end; j += kPairBlock) {
-          for (int64_t i = 0; i < kPairBlock / 2; ++i) {
-            dst[j + 2 * i] = weighted[j + i] * factor;
-            dst[j + 2 * i + 1] = weighted[j + kPairBlock / 2 + i] * factor;
-          }
-        }
       } else {
         const double factor = 1.0 / reducer.total_sum[k] * reducer.unscale;
-        for (int64_t j = begin; j < end; ++j) {
-          dst[j] = weighted[j] * factor;
+        if (pairs) {
+          from_pair_order(weighted + begin, dst + begin, head_dim, [factor](double sum) { return sum * factor; });
+        } else {
+          for (int64_t j = begin; j < end; ++j) {
+            dst[j] = weighted[j] * factor;
+          }
         }
       }
     }

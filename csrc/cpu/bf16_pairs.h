@@ -69,4 +69,16 @@ inline void to_pair_order(const T* src, T* dst, int64_t n) {
   }
 }
 
+// dst (natural order) = value(src (pair order)), n values (a multiple of kPairBlock): the inverse of to_pair_order,
+// a pair block at a time (interleaving its even and odd halves), which the compiler vectorises.
+template <typename T, typename U, typename Value>
+inline void from_pair_order(const T* src, U* dst, int64_t n, const Value& value) {
+  for (int64_t j = 0; j < n; j += kPairBlock) {
+    for (int64_t k = 0; k < kPairBlock / 2; ++k) {
+      dst[j + 2 * k] = value(src[j + k]);
+      dst[j + 2 * k + 1] = value(src[j + kPairBlock / 2 + k]);
+    }
+  }
+}
+
 }  // namespace lmk_ops::cpu::CPU_CAPABILITY

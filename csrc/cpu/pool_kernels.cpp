@@ -267,12 +267,7 @@ struct SumReducer {
       alignas(64) float natural[kMaxBlock];
       const float* means = slotted;
       if (paired > 0) {
-        for (int64_t j = 0; j < paired; j += kPairBlock) {
-          for (int64_t k = 0; k < kPairBlock / 2; ++k) {
-            natural[j + 2 * k] = slotted[j + k];
-            natural[j + 2 * k + 1] = slotted[j + kPairBlock / 2 + k];
-          }
-        }
+        from_pair_order(slotted, natural, paired, [](float mean) { return mean; });
         std::copy(slotted + paired, slotted + n, natural + paired);
         means = natural;
       }
@@ -482,11 +477,17 @@ void pool_forward(const Tensor& hidden, const RowList& list, const ChunkPlan& pl
         const int64_t first = rows.list->row(b, j++);
         reducer.init(block + first * sl, sd, n, first);
       }
+      // Adds selected row j alone, prefetching the row kPrefetchRows on (or this one near the chunk's end: the next
+      // chunk is another task's).
+      const auto add_one = [&](int64_t j) {
+        const int64_t l = rows.list->row(b, j);
+        const int64_t ahead = j + kPrefetchRows < rows.end ? rows.list->row(b, j + kPrefetchRows) : l;
+        reducer.add_row(block + l * sl, l, sd, n, block + ahead * sl);
+      };
       if constexpr (Reducer::kAddsFourRows) {
         while (j + 4 <= rows.end) {
           if (reducer.run + 4 > kFoldRows) {  // singly up to the run's end, which then starts at 0 (four fit)
-            const int64_t l = rows.list->row(b, j++);
-            reducer.add_row(block + l * sl, l, sd, n, block + rows.list->row(b, std::min(j + 3, rows.end - 1)) * sl);
+            add_one(j++);
             continue;
           }
           const scalar_t* four[4];
@@ -500,10 +501,7 @@ void pool_forward(const Tensor& hidden, const RowList& list, const ChunkPlan& pl
         }
       }
       for (; j < rows.end; ++j) {
-        const int64_t l = rows.list->row(b, j);
-        // The row kPrefetchRows on, or this one near the chunk's end (the next chunk is another task's).
-        const int64_t ahead = j + kPrefetchRows < rows.end ? rows.list->row(b, j + kPrefetchRows) : l;
-        reducer.add_row(block + l * sl, l, sd, n, block + ahead * sl);
+        add_one(j);
       }
       reducer.finish();
       if constexpr (std::is_same_v<Reducer, SumReducer<scalar_t>>) {

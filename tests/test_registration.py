@@ -2,6 +2,7 @@
 build information, and the version guard on import."""
 
 import importlib
+import os
 import subprocess
 import sys
 import types
@@ -238,8 +239,54 @@ def test_build_info():
     assert info["version"] == lmk_ops.__version__
     assert info["num_threads"] == torch.get_num_threads()
     assert info["cpu_capability"] in ("DEFAULT", "AVX2", "AVX512")
+    assert info["cpu_prefetch"] in ("L1", "L2")
     assert isinstance(info["cuda"], bool)
     assert isinstance(info["cpu_twin"], bool)
+
+
+# Every op whose CPU kernels prefetch (the mean, the maximum, attention with one head and with heads of 64; one long
+# text of several chunks and a masked batch), in float32 and bfloat16, saved to the file named by argv[1].
+PREFETCHING_OPS = """
+import sys, torch, lmk_ops
+print(lmk_ops.build_info()["cpu_prefetch"])
+gen = torch.Generator().manual_seed(0)
+outs = []
+for dtype in (torch.float32, torch.bfloat16):
+    for hidden, mask in ((torch.randn(1, 9000, 1024, generator=gen), None),
+                         (torch.randn(3, 700, 768, generator=gen), torch.rand(3, 700, generator=gen) < 0.8)):
+        hidden = hidden.to(dtype)
+        dim = hidden.shape[-1]
+        outs += [lmk_ops.mean_pool(hidden, mask), lmk_ops.max_pool(hidden, mask)]
+        for heads in (1, dim // 64):
+            outs.append(lmk_ops.attention_pool(hidden, mask, torch.randn(heads, dim // heads, generator=gen).to(dtype)))
+torch.save(outs, sys.argv[1])
+"""
+
+
+def test_the_prefetch_variable_chooses_the_cache_and_never_the_results(tmp_path):
+    results = {}
+    for level in ("l1", "l2"):
+        path = tmp_path / f"{level}.pt"
+        done = subprocess.run([sys.executable, "-c", PREFETCHING_OPS, str(path)], capture_output=True, text=True,
+                              env=dict(os.environ, LMK_OPS_PREFETCH=level))
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.split()[-1] == level.upper()
+        results[level] = torch.load(path)
+    assert len(results["l1"]) == 16
+    for into_l1, into_l2 in zip(results["l1"], results["l2"]):
+        assert torch.equal(into_l1, into_l2)
+
+
+@pytest.mark.parametrize("value", ["L1", "l3", "0", " l2"])
+def test_a_prefetch_variable_other_than_l1_or_l2_is_refused_on_import(value):
+    with pytest.raises(ValueError, match=f"lmk_ops: expected LMK_OPS_PREFETCH to be 'l1' or 'l2' \\(or unset\\), "
+                                         f"got '{value}'"):
+        _loader.check_prefetch_variable({"LMK_OPS_PREFETCH": value})
+    done = subprocess.run([sys.executable, "-c", "import lmk_ops"], capture_output=True, text=True,
+                          env=dict(os.environ, LMK_OPS_PREFETCH=value))
+    assert done.returncode != 0 and "expected LMK_OPS_PREFETCH to be 'l1' or 'l2'" in done.stderr, done.stderr[-3000:]
+    for fine in ({}, {"LMK_OPS_PREFETCH": ""}, {"LMK_OPS_PREFETCH": "l1"}, {"LMK_OPS_PREFETCH": "l2"}):
+        _loader.check_prefetch_variable(fine)
 
 
 def test_cpu_tensors_take_the_paths_the_build_says():

@@ -41,10 +41,10 @@
 namespace lmk_ops::cpu::CPU_CAPABILITY {
 namespace {
 
-// Prefetches into L1 the cache lines of p[i, i + kSpan) (nothing where p is null): a dot product over a row
+// Prefetches (prefetch_read) the cache lines of p[i, i + kSpan) (nothing where p is null): a dot product over a row
 // prefetches a row read soon after, a line for each line it reads, so the requests are spread out. (A burst of a
 // whole row's lines ahead of the dot stalled on the full fill buffers.) Into L1 (prefetcht0) rather than the outer
-// caches (prefetcht2), which a 2-core Zen 4 preferred: on Zen 5, 2 threads, seven runs in alternating processes,
+// caches (prefetcht2), which Zen 4 prefers (prefetch_into_l1, kernels_dispatch.cpp): on Zen 5, 2 threads, seven runs in alternating processes,
 // time over hidden.sum()'s, float32 one head 1x32768x1024 1.17-1.47x -> 1.11-1.46x (faster in six runs of seven),
 // 32x512x768 1.41-2.22x -> 1.25-1.93x, bfloat16 with 12 or 16 heads no worse.
 template <int64_t kSpan, typename scalar_t>
@@ -52,7 +52,7 @@ template <int64_t kSpan, typename scalar_t>
   if (p != nullptr) {
     constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(scalar_t));
     for (int64_t j = 0; j < kSpan; j += kLine) {
-      __builtin_prefetch(p + i + j, 0, 3);
+      prefetch_read(p + i + j);
     }
   }
 }

@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu/kernel_types.h"
 #include "cpu/row_list.h"
 #include "cpu/simd.h"
 
@@ -258,12 +259,23 @@ void for_each_text(const RowList& list, int64_t batch, int64_t dim, int64_t unit
 // or the batch.
 constexpr int kRowGroup = 4;
 
-// Prefetches into L1 the cache line at ahead + i where feature i starts one (contiguous rows: the mean's and the
-// maximum's rows ahead, attention's). Always inlined: as a call, GCC can find it free of side effects and delete it.
+// Prefetches for reading the cache line that holds p, into L1 or only into L2 as this CPU prefers
+// (prefetch_into_l1; the branch is the same every time). Always inlined: as a call, GCC can find it free of side
+// effects and delete it.
+[[gnu::always_inline]] inline void prefetch_read(const void* p) {
+  if (prefetch_into_l1) {
+    __builtin_prefetch(p, 0, 3);
+  } else {
+    __builtin_prefetch(p, 0, 1);
+  }
+}
+
+// prefetch_read() of the cache line at ahead + i where feature i starts one (contiguous rows: the mean's and the
+// maximum's rows ahead, attention's).
 template <typename scalar_t>
 [[gnu::always_inline]] inline void prefetch_line(const scalar_t* ahead, int64_t i) {
   if ((i & (64 / static_cast<int64_t>(sizeof(scalar_t)) - 1)) == 0) {
-    __builtin_prefetch(ahead + i, 0, 3);
+    prefetch_read(ahead + i);
   }
 }
 

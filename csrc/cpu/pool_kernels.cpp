@@ -64,8 +64,8 @@ constexpr int kFoldRows = 32;
 
 // The hardware prefetchers alone left the mean and the maximum waiting on memory after each row: on one thread
 // their time was about hidden.sum()'s plus that of the same work on rows already in L1 (no overlap). So while a
-// row is added, the row kPrefetchRows on (in the selection's order) is prefetched into L1, a line per line read
-// (prefetch_line). Zen 5, 2 threads, mean and max time over hidden.sum()'s, six runs in alternating processes:
+// row is added, the row kPrefetchRows on (in the selection's order) is prefetched into L1 (into L2 on Zen 4:
+// prefetch_into_l1), a line per line read (prefetch_line). Zen 5, 2 threads, mean and max time over hidden.sum()'s, six runs in alternating processes:
 // 1x32768x1024 float32 1.13-1.46x -> 0.95-1.11x, bfloat16 1.10-1.28x -> 0.99-1.13x; 8x4096x1024 float32
 // 1.11-1.43x -> 1.02-1.11x; a packed batch of 120 texts x 768, scatter_reduce's time over the max's 0.91-1.26 ->
 // 0.99-1.11; bfloat16 32x512x768, the one shape that lost, 0.81-1.06x -> 0.99-1.10x. Two rows on did about as
@@ -90,7 +90,7 @@ template <int64_t kStep, typename scalar_t, typename Step>
   if constexpr (kLine % kStep == 0) {
     if (i % kLine == 0) {
       for (; i + kLine <= n; i += kLine) {
-        __builtin_prefetch(ahead + i, 0, 3);
+        prefetch_read(ahead + i);
 #pragma GCC unroll 8
         for (int64_t j = 0; j < kLine; j += kStep) {
           step(i + j);
@@ -204,7 +204,7 @@ struct SumReducer {
       for (; i < paired; i += kPairBlock) {
         V even = V::loadu(sum + i), odd = V::loadu(sum + i + kPairBlock / 2);
         for (int k = 0; k < 4; ++k) {
-          __builtin_prefetch(ahead[k] + i, 0, 3);
+          prefetch_read(ahead[k] + i);
           const Pairs p = load_pairs(r[k] + i);
           even = even + p.even;
           odd = odd + p.odd;

@@ -2,12 +2,15 @@
 
 The extension uses PyTorch's stable ABI only (compiled with TORCH_TARGET_VERSION), so one build runs with every torch
 from the version it targets on, whatever torch it was compiled against. A build with CUDA kernels also needs a torch
-built for the same CUDA major version (the CUDA runtime is the one torch brings).
+built for the same CUDA major version (the CUDA runtime is the one torch brings). The extension reads
+LMK_OPS_PREFETCH once as it loads, so its value is checked first.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+from collections.abc import Mapping
 from types import ModuleType
 
 import torch
@@ -47,12 +50,21 @@ def check_torch(build, torch_version: str, torch_cuda: str | None) -> None:
             f"{torch_cuda}. {REBUILD}")
 
 
+def check_prefetch_variable(environ: Mapping[str, str]) -> None:
+    """LMK_OPS_PREFETCH, where set, names the cache the CPU kernels prefetch into: l1 or l2 (unset: chosen for this
+    CPU, build_info()["cpu_prefetch"])."""
+    value = environ.get("LMK_OPS_PREFETCH")
+    if value not in (None, "", "l1", "l2"):
+        raise ValueError(f"lmk_ops: expected LMK_OPS_PREFETCH to be 'l1' or 'l2' (or unset), got {value!r}")
+
+
 def load_extension() -> ModuleType:
     try:
         build = importlib.import_module("lmk_ops._build_info")
     except ImportError as e:
         raise ImportError(f"lmk_ops: the compiled extension is missing (not built?). {REBUILD}") from e
     check_torch(build, torch.__version__, torch.version.cuda)
+    check_prefetch_variable(os.environ)
     try:
         return importlib.import_module("lmk_ops._C")
     except ImportError as e:

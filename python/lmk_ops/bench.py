@@ -573,7 +573,8 @@ def main(argv=None) -> int:
     machine = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
     pages = huge_pages() if args.device == "cpu" else None
     print(f"lmk_ops {info['version']} | torch {torch.__version__} | {args.device}: {machine} | "
-          f"{torch.get_num_threads()} threads | CPU kernels {info['cpu_capability']} | padding {args.padding:.0%}"
+          f"{torch.get_num_threads()} threads | CPU kernels {info['cpu_capability']}, prefetch "
+          f"{info['cpu_prefetch']} | padding {args.padding:.0%}"
           + (f" | {pages}" if pages else ""))
     print("times are medians in ms; 'x floor' = lmk_ops forward time / hidden.sum() time on the same tensor; "
           "'vs mean_pool' = lmk_ops.mean_pool forward time / landmark_mean forward time on the same tensor\n")

@@ -36,7 +36,7 @@ inline void keep_max(Vec<acc>& best, Vec<same_size_int<acc>>& where, Vec<acc> x,
 // it grows: 80,000 ulp at a million rows).
 //
 // The mean of float32 and float64 rows takes them four at a time, side by side and without software prefetches
-// (SumReducer::add_rows): a run adds eight group sums (x0 + x1) + (x2 + x3) in turn, as many roundings in a row as
+// except on Zen 4 (SumReducer::add_rows): a run adds eight group sums (x0 + x1) + (x2 + x3) in turn, as many roundings in a row as
 // eight single rows, so a million equal float32 rows stay within 1 ulp, and float64 ones within 2 (a chunk's total
 // then takes 16 additions). One row at a time it waited on memory on Zen 3 (AVX2, 2 threads), where four streams of
 // the same run read faster. Time over hidden.sum()'s, three rounds in alternating processes, one row at a time ->
@@ -44,6 +44,13 @@ inline void keep_max(Vec<acc>& best, Vec<same_size_int<acc>>& where, Vec<acc> x,
 // 1.41-1.51x -> 1.27-1.50x; float64 1x16384x1024 1.18-1.24x -> 0.95-1.03x (two rounds); runs of 8 -> 32 (the fold's
 // widening pass a quarter as often): float32 1x32768x1024 1.09-1.13x -> 1.02-1.08x, 8x4096x1024 1.07-1.14x ->
 // 0.97-1.04x, 32x512x768 1.39-1.47x -> 1.34-1.38x, a packed batch of 120 texts x 768 1.23-1.26x -> 1.17-1.18x.
+// On Zen 4 (where the kernels prefetch into L2: prefetch_into_l1) the four streams were read late, one thread at
+// 1.5-1.6x hidden.sum()'s time; prefetching the next four rows into L2 as the four are added, float32, two rounds in
+// alternating processes, 10th percentiles, one thread: 1x32768x1024 1.51-1.55x -> 1.14-1.20x, 8x4096x1024
+// 1.59-1.64x -> 1.12-1.16x, the packed 120 texts 1.59-1.66x -> 1.11-1.12x (index_add in float32 1.07-1.16x); two
+// threads: 1.62-1.73x -> 1.20-1.22x, 1.63-1.76x -> 1.24-1.32x, 1.48-1.53x -> 1.01-1.05x (index_add 1.21-1.34x).
+// Elsewhere the four streams read near the floor without (above; the Intel Xeon's reports 0.86-1.03x), and an L1
+// prefetch there is unmeasured, so they are left as they were.
 //
 // The maximum goes one row after another, each read whole as one contiguous run: a stream the hardware prefetchers
 // follow, helped by a software prefetch (kPrefetchRows). Four rows side by side (maxima in registers across the
@@ -152,12 +159,18 @@ struct SumReducer {
     run = 0;
   }
 
-  // Adds kRowsTogether rows r[0..3] as (r0 + r1) + (r2 + r3), read side by side.
-  void add_rows(const scalar_t* const* r, int64_t stride, int64_t width) {
+  // Adds kRowsTogether rows r[0..3] as (r0 + r1) + (r2 + r3), read side by side; where the kernels prefetch into L2
+  // only, the next four rows, ahead[0..3], are prefetched a line per line read.
+  void add_rows(const scalar_t* const* r, const scalar_t* const* ahead, int64_t stride, int64_t width) {
     static_assert(kRowsTogether == 4 && sizeof(scalar_t) >= 4, "16-bit rows (pair order) go one at a time");
     int64_t i = 0;
     if (stride == 1) {
       for (; i + V::size() <= width; i += V::size()) {
+        if (!prefetch_into_l1) {  // see kFoldRows
+          for (int k = 0; k < 4; ++k) {
+            prefetch_line(ahead[k], i);
+          }
+        }
         const V group = (V::loadu(r[0] + i) + V::loadu(r[1] + i)) + (V::loadu(r[2] + i) + V::loadu(r[3] + i));
         (V::loadu(sum + i) + group).store(sum + i);
       }
@@ -468,10 +481,12 @@ void pool_forward(const Tensor& hidden, const RowList& list, const ChunkPlan& pl
         reducer.start(n);
         for (; j + Reducer::kRowsTogether <= rows.end; j += Reducer::kRowsTogether) {
           const scalar_t* together[Reducer::kRowsTogether];
+          const scalar_t* ahead[Reducer::kRowsTogether];
           for (int r = 0; r < Reducer::kRowsTogether; ++r) {
             together[r] = block + rows.list->row(b, j + r) * sl;
+            ahead[r] = block + rows.list->row(b, std::min(j + Reducer::kRowsTogether + r, rows.end - 1)) * sl;
           }
-          reducer.add_rows(together, sd, n);
+          reducer.add_rows(together, ahead, sd, n);
         }
       } else {
         const int64_t first = rows.list->row(b, j++);

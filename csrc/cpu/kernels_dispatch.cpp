@@ -93,7 +93,7 @@ bool is_zen4() {
 
 // LMK_OPS_PREFETCH=l1 or l2 where set (lmk_ops' import refuses other values); else L2 on Zen 4 and L1 elsewhere.
 // The kernels prefetch the rows they read next into L1, which measured faster on Zen 5 and no slower on an Intel
-// Xeon (pool_kernels.cpp, kPrefetchRows; attention_kernels.cpp, prefetch_span). On a 2-core Zen 4 (EPYC, family
+// Xeon (pool_kernels.cpp, prefetch_rows; attention_kernels.cpp, prefetch_span). On a 2-core Zen 4 (EPYC, family
 // 19h model 11h) L1 prefetches made them far slower, with either L1 hint (prefetcht0 or prefetchnta; prefetcht1
 // measured as prefetcht2 does): 2 threads, one text of 32768 x 1024, 10th percentile of 100 calls in ms, this
 // build with LMK_OPS_PREFETCH=l1 -> l2, two rounds in alternating processes: bfloat16 mean 2.74-2.98 -> 1.34-1.51,

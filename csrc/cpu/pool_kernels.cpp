@@ -53,7 +53,7 @@ inline void keep_max(Vec<acc>& best, Vec<same_size_int<acc>>& where, Vec<acc> x,
 // prefetch there is unmeasured, so they are left as they were.
 //
 // The maximum goes one row after another, each read whole as one contiguous run: a stream the hardware prefetchers
-// follow, helped by a software prefetch (kPrefetchRows). Four rows side by side (maxima in registers across the
+// follow, helped by a software prefetch (prefetch_rows). Four rows side by side (maxima in registers across the
 // rows) were no faster in float32 and slower at 32x512x768 (1.20-1.36x -> 1.56-1.65x). So did 16-bit rows of the
 // mean, and grouped (x0 + x1) + (x2 + x3) four of them read side by side were slower on Zen 3 (bfloat16 pair blocks
 // 1.13x -> 1.44x hidden.sum()'s time); added one after another as single rows are (the same bits), with only the
@@ -71,13 +71,19 @@ constexpr int kFoldRows = 32;
 
 // The hardware prefetchers alone left the mean and the maximum waiting on memory after each row: on one thread
 // their time was about hidden.sum()'s plus that of the same work on rows already in L1 (no overlap). So while a
-// row is added, the row kPrefetchRows on (in the selection's order) is prefetched into L1 (into L2 on Zen 4:
-// prefetch_into_l1), a line per line read (prefetch_line). Zen 5, 2 threads, mean and max time over hidden.sum()'s, six runs in alternating processes:
+// row is added, the row prefetch_rows() on (in the selection's order) is prefetched, a line per line read
+// (prefetch_line): three rows on into L1, ten into L2 where the kernels prefetch into L2 only (Zen 4:
+// prefetch_into_l1). Zen 5, 2 threads, mean and max time over hidden.sum()'s, six runs in alternating processes:
 // 1x32768x1024 float32 1.13-1.46x -> 0.95-1.11x, bfloat16 1.10-1.28x -> 0.99-1.13x; 8x4096x1024 float32
 // 1.11-1.43x -> 1.02-1.11x; a packed batch of 120 texts x 768, scatter_reduce's time over the max's 0.91-1.26 ->
 // 0.99-1.11; bfloat16 32x512x768, the one shape that lost, 0.81-1.06x -> 0.99-1.10x. Two rows on did about as
-// well, one and four worse, prefetcht2 (into L2) worse on one thread.
-constexpr int64_t kPrefetchRows = 3;
+// well, one and four worse, prefetcht2 (into L2) worse on one thread. Zen 4, into L2, 2 threads, three rounds in
+// alternating processes, three rows on -> six -> ten: the bfloat16 maximum of the packed 120 texts 1.57-1.58x ->
+// 1.28-1.32x -> 1.22-1.26x, of 1x32768x1024 1.33-1.35x -> 1.19-1.28x -> 1.23-1.29x; float32 8x4096x1024 1.07-1.12x
+// -> 1.01-1.11x -> 1.03-1.05x; the bfloat16 mean (which takes four rows at a time, add_four_rows) unchanged.
+inline int64_t prefetch_rows() {
+  return prefetch_into_l1 ? 3 : 10;
+}
 
 // Calls step(i) for i = *at, *at + kStep, ... while kStep features fit in n (a vector's, a pair block's, a key
 // vector's), prefetching each line of `ahead` as prefetch_line() does, and leaves *at past the last. The whole lines
@@ -492,11 +498,12 @@ void pool_forward(const Tensor& hidden, const RowList& list, const ChunkPlan& pl
         const int64_t first = rows.list->row(b, j++);
         reducer.init(block + first * sl, sd, n, first);
       }
-      // Adds selected row j alone, prefetching the row kPrefetchRows on (or this one near the chunk's end: the next
+      // Adds selected row j alone, prefetching the row prefetch_rows() on (or this one near the chunk's end: the next
       // chunk is another task's).
+      const int64_t distance = prefetch_rows();
       const auto add_one = [&](int64_t j) {
         const int64_t l = rows.list->row(b, j);
-        const int64_t ahead = j + kPrefetchRows < rows.end ? rows.list->row(b, j + kPrefetchRows) : l;
+        const int64_t ahead = j + distance < rows.end ? rows.list->row(b, j + distance) : l;
         reducer.add_row(block + l * sl, l, sd, n, block + ahead * sl);
       };
       if constexpr (Reducer::kAddsFourRows) {

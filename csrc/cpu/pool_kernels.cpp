@@ -35,22 +35,22 @@ inline void keep_max(Vec<acc>& best, Vec<same_size_int<acc>>& where, Vec<acc> x,
 // a mean so stays within about one float32 ulp of the result at any L (a plain float32 running sum loses digits as
 // it grows: 80,000 ulp at a million rows).
 //
-// The mean of float32 and float64 rows takes them four at a time, side by side and without software prefetches
-// except on Zen 4 (SumReducer::add_rows): a run adds eight group sums (x0 + x1) + (x2 + x3) in turn, as many roundings in a row as
-// eight single rows, so a million equal float32 rows stay within 1 ulp, and float64 ones within 2 (a chunk's total
-// then takes 16 additions). One row at a time it waited on memory on Zen 3 (AVX2, 2 threads), where four streams of
-// the same run read faster. Time over hidden.sum()'s, three rounds in alternating processes, one row at a time ->
+// The mean of float32 and float64 rows takes them four at a time, side by side and without software prefetches except
+// on Zen 4 (SumReducer::add_rows): a run adds eight group sums (x0 + x1) + (x2 + x3) in turn, as many roundings in a
+// row as eight single rows, so a million equal float32 rows stay within 1 ulp, and float64 ones within 2 (a chunk's
+// total then takes 16 additions). One row at a time it waited on memory on Zen 3 (AVX2, 2 threads), where four streams
+// of the same run read faster. Time over hidden.sum()'s, three rounds in alternating processes, one row at a time ->
 // four in runs of 8: float32 1x32768x1024 1.26-1.33x -> 1.06-1.12x, 64x512x1024 1.25-1.33x -> 1.04-1.14x, 32x512x768
 // 1.41-1.51x -> 1.27-1.50x; float64 1x16384x1024 1.18-1.24x -> 0.95-1.03x (two rounds); runs of 8 -> 32 (the fold's
 // widening pass a quarter as often): float32 1x32768x1024 1.09-1.13x -> 1.02-1.08x, 8x4096x1024 1.07-1.14x ->
-// 0.97-1.04x, 32x512x768 1.39-1.47x -> 1.34-1.38x, a packed batch of 120 texts x 768 1.23-1.26x -> 1.17-1.18x.
-// On Zen 4 (where the kernels prefetch into L2: prefetch_into_l1) the four streams were read late, one thread at
-// 1.5-1.6x hidden.sum()'s time; prefetching the next four rows into L2 as the four are added, float32, two rounds in
-// alternating processes, 10th percentiles, one thread: 1x32768x1024 1.51-1.55x -> 1.14-1.20x, 8x4096x1024
-// 1.59-1.64x -> 1.12-1.16x, the packed 120 texts 1.59-1.66x -> 1.11-1.12x (index_add in float32 1.07-1.16x); two
-// threads: 1.62-1.73x -> 1.20-1.22x, 1.63-1.76x -> 1.24-1.32x, 1.48-1.53x -> 1.01-1.05x (index_add 1.21-1.34x).
-// Elsewhere the four streams read near the floor without (above; the Intel Xeon's reports 0.86-1.03x), and an L1
-// prefetch there is unmeasured, so they are left as they were.
+// 0.97-1.04x, 32x512x768 1.39-1.47x -> 1.34-1.38x, a packed batch of 120 texts x 768 1.23-1.26x -> 1.17-1.18x. On Zen 4
+// (where the kernels prefetch into L2: prefetch_into_l1) the four streams were read late, one thread at 1.5-1.6x
+// hidden.sum()'s time; prefetching the next four rows into L2 as the four are added, float32, two rounds in alternating
+// processes, 10th percentiles, one thread: 1x32768x1024 1.51-1.55x -> 1.14-1.20x, 8x4096x1024 1.59-1.64x -> 1.12-1.16x,
+// the packed 120 texts 1.59-1.66x -> 1.11-1.12x (index_add in float32 1.07-1.16x); two threads: 1.62-1.73x ->
+// 1.20-1.22x, 1.63-1.76x -> 1.24-1.32x, 1.48-1.53x -> 1.01-1.05x (index_add 1.21-1.34x). Elsewhere the four streams
+// read near the floor without (above; the Intel Xeon's reports 0.86-1.03x), and an L1 prefetch there is unmeasured, so
+// they are left as they were.
 //
 // The maximum goes one row after another, each read whole as one contiguous run: a stream the hardware prefetchers
 // follow, helped by a software prefetch (prefetch_rows). Four rows side by side (maxima in registers across the

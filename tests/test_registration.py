@@ -263,6 +263,30 @@ torch.save(outs, sys.argv[1])
 """
 
 
+def test_the_prefetch_level_follows_the_cpu():
+    """Unset, LMK_OPS_PREFETCH leaves the choice to the CPU: L2 on AMD Zen 4 (family 25, models 0x10-0x1F, 0x60-0x7F,
+    0xA0-0xAF), L1 elsewhere; read here from /proc/cpuinfo, independently of the extension's CPUID probe."""
+    if not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("needs /proc/cpuinfo")
+    fields: dict[str, str] = {}
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    if "cpu family" not in fields:
+        pytest.skip("/proc/cpuinfo names no x86 family")
+    model = int(fields["model"])
+    zen4 = (fields.get("vendor_id") == "AuthenticAMD" and int(fields["cpu family"]) == 25
+            and (0x10 <= model <= 0x1F or 0x60 <= model <= 0x7F or 0xA0 <= model <= 0xAF))
+    env = {k: v for k, v in os.environ.items() if k != "LMK_OPS_PREFETCH"}
+    done = subprocess.run([sys.executable, "-c", "import lmk_ops; print(lmk_ops.build_info()['cpu_prefetch'])"],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == ("L2" if zen4 else "L1"), fields
+
+
 def test_the_prefetch_variable_chooses_the_cache_and_never_the_results(tmp_path):
     results = {}
     for level in ("l1", "l2"):

@@ -142,12 +142,14 @@ def time_ms(fn, device: str, min_time=0.1, min_reps=5, max_reps=100, slow_ms=100
     return statistics.median(samples)
 
 
-def time_together(fns: dict, device: str, min_time=0.3, min_rounds=3, block_ms=20.0, slow_ms=100.0) -> dict:
+def time_together(fns: dict, device: str, min_time=0.3, min_rounds=3, block_ms=20.0, slow_ms=100.0,
+                  between_rounds: Callable[[], None] | None = None) -> dict:
     """Median milliseconds of each function (None stays None), the fast ones timed in turns: each round calls every
     function for about block_ms in a row, so that all see the same state of the machine (a ratio of two of them,
     lmk_ops over hidden.sum() or packed over padded, then holds where timings taken minutes apart drift by 10-30% on
     a shared machine), and each is timed warm, as time_ms times it, not right after another's cache-flushing pass.
-    A function whose first call after the warm-up is slower than slow_ms keeps that time, as time_ms would."""
+    A function whose first call after the warm-up is slower than slow_ms keeps that time, as time_ms would.
+    between_rounds, if given, runs between two rounds, untimed."""
     first = {}
     for name, fn in fns.items():
         if fn is not None:
@@ -158,6 +160,8 @@ def time_together(fns: dict, device: str, min_time=0.3, min_rounds=3, block_ms=2
     samples: dict[str, list[float]] = {name: [] for name in turns}
     rounds, spent = 0, 0.0
     while turns and (rounds < min_rounds or spent < min_time * 1e3):
+        if rounds > 0 and between_rounds is not None:
+            between_rounds()
         for name, fn in turns.items():
             block = [call_ms(fn, device, calls[name])]
             while sum(block) * calls[name] < block_ms:
@@ -422,20 +426,33 @@ def bench_packed(op, dtype_name, spec, device) -> list[PackedRow]:
     contenders = {name: (lambda h, q, f=f: f(h)) if f is not None else None
                   for name, f in packed_contenders(op, offsets, landmarks).items()}
     fns = {"ours": ours, "padded": theirs, **contenders}
-    inputs = {name: padded if name == "padded" else hidden for name in fns}
+    # Each function's input by name ("padded": the padded copy, the rest the packed one), moved to fresh memory
+    # between rounds: on a virtual machine one tensor reads up to 1.7x slower than another of the same size by where
+    # its pages land, and packed and padded are two tensors, so one placement each would time the placement.
+    memory = {"packed": hidden, "padded": padded}
+    tensor_of = {name: "padded" if name == "padded" else "packed" for name in fns}
+
+    def move() -> None:
+        for key in memory:
+            memory[key] = memory[key].clone()
+
     with torch.no_grad():
-        times = time_together({"floor": lambda: hidden.sum(), **{
-            name: (lambda f=f, h=inputs[name]: f(h, query)) if f is not None else None for name, f in fns.items()}},
-            device)
+        times = time_together({"floor": lambda: memory["packed"].sum(), **{
+            name: (lambda f=f, name=name: f(memory[tensor_of[name]], query)) if f is not None else None
+            for name, f in fns.items()}}, device, between_rounds=move)
     floor = times["floor"]
     batch = f"{len(lengths)} texts, {tokens}x{dim}"
     rows = [PackedRow(row_name, dtype_name, batch, "forward", times["ours"], times["padded"], times["segment_reduce"],
                       times["index_add"], times["index_add_fp32"], floor)]
     grad = torch.randn(len(lengths), dim, generator=torch.Generator().manual_seed(3)).to(device, dtype)
-    leaves = {name: (h.detach().requires_grad_(), None if query is None else query.clone().requires_grad_())
-              for name, h in inputs.items()}
-    times = time_together({name: (lambda f=f, h=leaves[name]: torch.autograd.grad(
-        f(*h), [t for t in h if t is not None], grad)) if f is not None else None for name, f in fns.items()}, device)
+    query_leaf = None if query is None else query.clone().requires_grad_()
+
+    def differentiate(f, name):
+        h = memory[tensor_of[name]].detach().requires_grad_()
+        return torch.autograd.grad(f(h, query_leaf), [t for t in (h, query_leaf) if t is not None], grad)
+
+    times = time_together({name: (lambda f=f, name=name: differentiate(f, name)) if f is not None else None
+                           for name, f in fns.items()}, device, between_rounds=move)
     rows.append(PackedRow(row_name, dtype_name, batch, "forward+backward", times["ours"], times["padded"],
                           times["segment_reduce"], times["index_add"], times["index_add_fp32"], floor))
     return rows

@@ -62,6 +62,10 @@ def test_time_together_takes_turns_and_keeps_none():
     assert times["c"] is None and times["a"] >= 0 and times["b"] >= 0
     # A warm-up call and a first call each, then rounds of one block (here one call) of each in turn.
     assert calls == ["a", "a", "b", "b"] + ["a", "b"] * 3
+    calls.clear()
+    bench.time_together({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, "cpu", min_time=0.0,
+                        min_rounds=3, block_ms=0.0, between_rounds=lambda: calls.append("move"))
+    assert calls == ["a", "a", "b", "b"] + ["a", "b", "move", "a", "b", "move", "a", "b"]
 
 
 def test_precompile_fills_the_compile_cache_the_report_then_loads(monkeypatch):

@@ -73,15 +73,9 @@ const Choice& choice() {
 // Whether this is an AMD Zen 4 (family 19h, models 10h-1Fh, 60h-7Fh and A0h-AFh; family 19h's other models are
 // Zen 3).
 bool is_zen4() {
+  __builtin_cpu_init();
   unsigned int eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) {
-    return false;
-  }
-  char vendor[12];
-  std::memcpy(vendor, &ebx, 4);
-  std::memcpy(vendor + 4, &edx, 4);
-  std::memcpy(vendor + 8, &ecx, 4);
-  if (std::memcmp(vendor, "AuthenticAMD", 12) != 0 || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) {
+  if (!__builtin_cpu_is("amd") || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) {
     return false;
   }
   const unsigned int base_family = (eax >> 8) & 0xF;

@@ -483,16 +483,22 @@ void pool_forward(const Tensor& hidden, const RowList& list, const ChunkPlan& pl
     const scalar_t* block = h + b * sb + d0 * sd;
     if (rows.begin < rows.end) {
       int64_t j = rows.begin;
+      // Selected rows j to j + 3 into four, and the four after them (the chunk's last where it ends) into ahead, to
+      // prefetch: add_rows() and add_four_rows() take rows four at a time.
+      const auto four_rows = [&](int64_t j, const scalar_t** four, const scalar_t** ahead) {
+        for (int k = 0; k < 4; ++k) {
+          four[k] = block + rows.list->row(b, j + k) * sl;
+          ahead[k] = block + rows.list->row(b, std::min(j + 4 + k, rows.end - 1)) * sl;
+        }
+      };
       if constexpr (Reducer::kRowsTogether > 1) {
+        static_assert(Reducer::kRowsTogether == 4, "add_rows takes four rows");
         reducer.start(n);
-        for (; j + Reducer::kRowsTogether <= rows.end; j += Reducer::kRowsTogether) {
-          const scalar_t* together[Reducer::kRowsTogether];
-          const scalar_t* ahead[Reducer::kRowsTogether];
-          for (int r = 0; r < Reducer::kRowsTogether; ++r) {
-            together[r] = block + rows.list->row(b, j + r) * sl;
-            ahead[r] = block + rows.list->row(b, std::min(j + Reducer::kRowsTogether + r, rows.end - 1)) * sl;
-          }
-          reducer.add_rows(together, ahead, sd, n);
+        for (; j + 4 <= rows.end; j += 4) {
+          const scalar_t* four[4];
+          const scalar_t* ahead[4];
+          four_rows(j, four, ahead);
+          reducer.add_rows(four, ahead, sd, n);
         }
       } else {
         const int64_t first = rows.list->row(b, j++);
@@ -514,10 +520,7 @@ void pool_forward(const Tensor& hidden, const RowList& list, const ChunkPlan& pl
           }
           const scalar_t* four[4];
           const scalar_t* ahead[4];
-          for (int k = 0; k < 4; ++k) {
-            four[k] = block + rows.list->row(b, j + k) * sl;
-            ahead[k] = block + rows.list->row(b, std::min(j + 4 + k, rows.end - 1)) * sl;
-          }
+          four_rows(j, four, ahead);
           reducer.add_four_rows(four, ahead, sd, n);
           j += 4;
         }

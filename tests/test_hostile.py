@@ -496,19 +496,46 @@ def test_num_landmarks_makes_positions_and_gather_traceable():
         lmk_ops.landmark_positions(mask, -1)
 
 
-def test_without_num_landmarks_torch_compile_breaks_the_graph_to_count_and_fullgraph_says_to_pass_it():
-    mask = torch.tensor([[0, 1, 1, 0, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
-    hidden = torch.randn(2, 5, 8)
-    want = lmk_ops.landmark_gather(hidden, mask)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_without_num_landmarks_positions_and_gather_trace_whole_with_an_unbacked_width(dynamic, device):
+    """K depends on the mask's values: an unbacked size in the graph, so fullgraph compiles it, padded and packed,
+    forward and gradient, and the graph serves masks of other widths."""
     torch._dynamo.reset()  # no compiled code of an earlier test's call may serve this one
-    got = torch.compile(lambda h, m: lmk_ops.landmark_gather(h, m))(hidden, mask)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    positions = torch.compile(lambda m: lmk_ops.landmark_positions(m), dynamic=True)(mask)
-    assert torch.equal(positions, torch.tensor([[1, 2, 4], [0, -1, -1]]))
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"lmk_ops\.landmark_gather: the width K of the positions depends on the "
-                                        r"landmark mask's values; pass num_landmarks"):
-        torch.compile(lambda h, m: lmk_ops.landmark_gather(h, m), fullgraph=True)(hidden, mask)
+
+    def gather(h, m, offsets=None):
+        vectors, valid = lmk_ops.landmark_gather(h, m, cu_seqlens=offsets)
+        return vectors * 2, valid
+
+    compiled = torch.compile(gather, fullgraph=True, dynamic=dynamic)
+    hidden = torch.randn(2, 5, 8, device=device, requires_grad=True)
+    for mask in ([[0, 1, 1, 0, 1], [1, 0, 0, 0, 0]], [[1] * 5] * 2, [[0] * 5] * 2, [[0, 0, 0, 0, 1], [1, 1, 0, 0, 0]]):
+        mask = torch.tensor(mask, dtype=torch.bool, device=device)
+        for offsets in (None, torch.tensor([0, 3, 3, 10], dtype=torch.int32, device=device)):
+            h, m = (hidden, mask) if offsets is None else (hidden.view(10, 8), mask.view(10))
+            got, want = compiled(h, m, offsets), gather(h, m, offsets)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            assert torch.equal(torch.autograd.grad(got[0].sum(), hidden)[0],
+                               torch.autograd.grad(want[0].sum(), hidden)[0])
+    mask = torch.tensor([[0, 1, 1, 0, 1], [1, 0, 0, 0, 0]], dtype=torch.bool, device=device)
+    positions = torch.compile(lambda m: lmk_ops.landmark_positions(m), fullgraph=True, dynamic=dynamic)(mask)
+    assert torch.equal(positions.cpu(), torch.tensor([[1, 2, 4], [0, -1, -1]]))
+    with pytest.raises(Exception, match=r"lmk_ops\.landmark_positions: expected a bool landmark mask of shape "
+                                        r"\[B, L\], got torch\.int64"):
+        torch.compile(lambda m: lmk_ops.landmark_positions(m), fullgraph=True)(mask.long())
+
+
+def test_without_num_landmarks_gather_exports_and_its_width_op_passes_opcheck():
+    class Gather(torch.nn.Module):
+        def forward(self, h, m):
+            return lmk_ops.landmark_gather(h, m)[0]
+
+    hidden, mask = torch.randn(2, 5, 8), torch.tensor([[0, 1, 1, 0, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    exported = torch.export.export(Gather(), (hidden, mask)).module()
+    assert torch.equal(exported(hidden, mask), lmk_ops.landmark_gather(hidden, mask)[0])
+    op = torch.ops.lmk_ops.fitted_landmark_positions.default
+    torch.library.opcheck(op, (mask, None, "landmark_positions"))
+    torch.library.opcheck(op, (mask.view(10), torch.tensor([0, 4, 4, 10]), "landmark_gather"))
 
 
 @pytest.mark.parametrize("call", [lambda m: lmk_ops.landmark_positions(m, 10**12),

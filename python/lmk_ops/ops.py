@@ -156,9 +156,9 @@ def landmark_positions(landmark_mask: Tensor, num_landmarks: int | None = None, 
     graph; on CUDA a device-side assertion, as for the ops' other value checks), else the largest count in the
     batch. One op on every device: one pass over the mask with ``num_landmarks``, two without it (the first
     counts, and K is read back to the host).
-    With ``num_landmarks`` given this traces under ``torch.compile(fullgraph=True)`` and runs on meta tensors;
-    without it the output shape depends on the data, which needs the values: ``torch.compile`` then breaks the
-    graph to count them (``fullgraph=True`` refuses, saying to pass ``num_landmarks``).
+    Both trace under ``torch.compile(fullgraph=True)``: without ``num_landmarks`` the width is an unbacked size in
+    the graph (the op reads the counts back to the host to allocate the positions, as in eager). With
+    ``num_landmarks`` given it also runs on meta and fake tensors, where the values cannot be counted.
 
     With ``cu_seqlens`` (a packed batch), the mask is ``[T]`` and positions count from each text's start.
     """
@@ -177,21 +177,36 @@ def _positions(op: str, landmark_mask: Tensor, num_landmarks: int | None, cu_seq
         num_landmarks = int(num_landmarks)  # a NumPy integer too
     if cu_seqlens is not None:
         check_offsets(op, cu_seqlens, landmark_mask, "the landmark mask")
-    dynamo = torch.compiler.is_dynamo_compiling()
     if num_landmarks is None:
-        if dynamo:
-            # K depends on the mask's values: under torch.compile the graph ends here and the count below is read
-            # outside it, as in eager; with fullgraph=True compilation stops here, with this message.
-            torch._dynamo.graph_break(msg=f"lmk_ops.{op}: the width K of the positions depends on the landmark "
-                                          "mask's values; pass num_landmarks to keep the call in one graph")
-        if not (values_known(landmark_mask) or dynamo):
-            fail(op, "expected num_landmarks where the mask's values cannot be read (meta or fake tensors, "
+        if torch.compiler.is_compiling():  # torch.compile, torch.export: K is an unbacked size in the graph
+            return torch.ops.lmk_ops.fitted_landmark_positions(landmark_mask, cu_seqlens, op)
+        if not values_known(landmark_mask):
+            fail(op, "expected num_landmarks where the mask's values cannot be read (meta or fake tensors outside "
                      "torch.compile, torch.vmap): the output's width K depends on them")
-        counts = torch.ops.lmk_ops.landmark_positions(landmark_mask, None, cu_seqlens, op)[1]
-        num_landmarks = int(counts.max()) if counts.numel() else 0
+        return _fitted_positions(landmark_mask, cu_seqlens, op)
     # One op on every device: a text with more than num_landmarks landmarks is refused there (on CUDA by a
     # device-side assertion, without synchronising), inside a compiled graph too.
     return torch.ops.lmk_ops.landmark_positions(landmark_mask, num_landmarks, cu_seqlens, op)[0]
+
+
+def _fitted_positions(landmark_mask: Tensor, cu_seqlens: Tensor | None, op: str) -> Tensor:
+    """The positions [B, K] with K the largest count: a counting pass, K read back to the host, the listing pass."""
+    counts = torch.ops.lmk_ops.landmark_positions(landmark_mask, None, cu_seqlens, op)[1]
+    num_landmarks = int(counts.max()) if counts.numel() else 0
+    return torch.ops.lmk_ops.landmark_positions(landmark_mask, num_landmarks, cu_seqlens, op)[0]
+
+
+@torch.library.custom_op("lmk_ops::fitted_landmark_positions", mutates_args=())
+def _fitted_positions_op(landmark_mask: Tensor, cu_seqlens: Tensor | None, op: str) -> Tensor:
+    """_fitted_positions as one op for torch.compile, whose fake gives the width as an unbacked size: the graph
+    stays whole where K is not given (a Python read of the count would end it)."""
+    return _fitted_positions(landmark_mask, cu_seqlens, op)
+
+
+@_fitted_positions_op.register_fake
+def _(landmark_mask: Tensor, cu_seqlens: Tensor | None, op: str) -> Tensor:
+    counts = torch.ops.lmk_ops.landmark_positions(landmark_mask, None, cu_seqlens, op)[1]  # its checks, and B
+    return counts.new_empty((counts.shape[0], torch.library.get_ctx().new_dynamic_size()))
 
 
 def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | None = None,

@@ -283,7 +283,6 @@ def test_normalize_gives_unit_vectors_where_the_norm_leaves_the_dtype_range(devi
         assert torch.allclose(out.double(), exact, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
 
 
-@pytest.mark.exhausts_memory
 def test_a_failed_allocation_says_what_torch_said_and_what_lmk_ops_was_doing():
     # 640 TB: beyond any address space, so it fails even where memory is overcommitted.
     with pytest.raises(RuntimeError) as failure:
@@ -294,7 +293,6 @@ def test_a_failed_allocation_says_what_torch_said_and_what_lmk_ops_was_doing():
         assert "you tried to allocate 640000000000000 bytes" in message
 
 
-@pytest.mark.exhausts_memory
 def test_a_failed_torch_call_inside_an_op_names_the_op_and_says_what_torch_said():
     # Positions expanded to 10^13 a text: the op's contiguous copy (a torch::stable call, not lmk_ops' own allocation)
     # asks torch for 160 TB. The stable ABI's own error names neither the op nor the reason (csrc/ops/op_entry.h).
@@ -541,7 +539,6 @@ def test_without_num_landmarks_gather_exports_and_its_width_op_passes_opcheck():
     torch.library.opcheck(op, (mask.view(10), torch.tensor([0, 4, 4, 10]), "landmark_gather"))
 
 
-@pytest.mark.exhausts_memory
 @pytest.mark.parametrize("call", [lambda m: lmk_ops.landmark_positions(m, 10**12),
                                   lambda m: lmk_ops.landmark_gather(torch.randn(2, 5, 4), m, num_landmarks=2**62),
                                   lambda m: lmk_ops.landmark_positions(m[0], 10**15, cu_seqlens=torch.tensor([0, 5]))])

@@ -33,7 +33,7 @@ export LD_PRELOAD="$(runtime libasan.so) $(runtime libubsan.so)"
 export ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1:log_path=$reports/asan"
 export UBSAN_OPTIONS="print_stacktrace=1:log_path=$reports/ubsan"
 .venv/bin/python -c "
-import lmk_ops, sys
+import lmk_ops
 assert lmk_ops.__file__.startswith('$target'), lmk_ops.__file__
 print('lmk_ops under ASan and UBSan', lmk_ops.build_info())"
 if ! ldd "$target"/lmk_ops/_C*.so | grep -q libasan; then

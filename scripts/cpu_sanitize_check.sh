@@ -36,7 +36,8 @@ export UBSAN_OPTIONS="print_stacktrace=1:log_path=$reports/ubsan"
 import lmk_ops
 assert lmk_ops.__file__.startswith('$target'), lmk_ops.__file__
 print('lmk_ops under ASan and UBSan', lmk_ops.build_info())"
-if ! ldd "$target"/lmk_ops/_C*.so | grep -q libasan; then
+linked=$(ldd "$target"/lmk_ops/_C*.so)  # whole first: see cpu_twin_check.sh
+if ! grep -q libasan <<<"$linked"; then
   echo "cpu_sanitize_check: expected the module to link libasan, but it does not: the sanitizer flags were lost" >&2
   exit 1
 fi

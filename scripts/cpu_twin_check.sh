@@ -13,7 +13,9 @@ rm -rf "$target"
   --config-settings=build-dir=build/cpu-twin --config-settings=cmake.define.LMK_OPS_CPU_TWIN=ON \
   --config-settings=cmake.define.CMAKE_MODULE_LINKER_FLAGS=-static-libstdc++ .
 export PYTHONPATH="$target"
-if ldd "$target"/lmk_ops/_C*.so | grep -q 'libstdc++'; then
+# ldd's output taken whole first: under pipefail, grep -q quitting at its match could fail ldd's write (SIGPIPE).
+linked=$(ldd "$target"/lmk_ops/_C*.so)
+if grep -q 'libstdc++' <<<"$linked"; then
   echo "cpu_twin_check: expected the twin module to carry its own libstdc++, but it links libstdc++.so" >&2
   exit 1
 fi

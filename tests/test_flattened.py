@@ -187,21 +187,50 @@ def test_flattened_by_position_ids_alone_as_the_collator_gives_them_by_default(p
         assert torch.equal(ours, want)
 
 
-def test_flattened_by_position_ids_under_torch_compile_breaks_the_graph_and_fullgraph_says_to_pass_offsets():
-    collated = transformers.DataCollatorWithFlattening()([{"input_ids": [101, 5, 6, 102]}, {"input_ids": [101, 102]}],
-                                                         return_tensors="pt")
-    hidden = torch.randn(1, 6, 8)
-    pooling = lmk_ops.nn.Pooling("mean")
-    want = lmk_ops.mean_pool(hidden[0], cu_seqlens=torch.tensor([0, 4, 6]))
-    torch._dynamo.reset()
-    assert torch.equal(torch.compile(pooling)(hidden, collated), want)
-    torch._dynamo.reset()  # else the frames compiled above are reused
-    with pytest.raises(Exception, match=r"lmk_ops\.nn: a flattened batch's texts are read from its position_ids' "
-                                        r"values; pass cu_seqlens"):
-        torch.compile(pooling, fullgraph=True)(hidden, collated)
-    offsets = {**collated, "cu_seq_lens_q": torch.tensor([0, 4, 6], dtype=torch.int32)}
-    torch._dynamo.reset()
-    assert torch.equal(torch.compile(pooling, fullgraph=True)(hidden, offsets), want)
+@pytest.mark.parametrize("mode", sorted(set(MODES.values()) | {"lmk", "attention"}))
+def test_flattened_by_position_ids_stays_in_one_graph_under_torch_compile(mode):
+    """The texts are read from the ids by tensor ops, their number an unbacked size in the graph: fullgraph=True
+    compiles the collator's default output, static or dynamic, to the eager result."""
+    collated = transformers.DataCollatorWithFlattening()(
+        [{"input_ids": [101, 5, 6, 102]}, {"input_ids": [101, 102]}, {"input_ids": [101, 7, 8, 9, 102]}],
+        return_tensors="pt")
+    hidden = torch.randn(1, 11, 8)
+    batch = {**collated, "landmark_mask": torch.tensor([[0, 1, 0, 1, 0, 1, 0, 0, 1, 0, 1]], dtype=torch.bool)}
+    torch.manual_seed(0)
+    pooling = lmk_ops.nn.Pooling(mode, **({"dim": 8, "heads": 2} if mode == "attention" else {}))
+    with torch.no_grad():
+        want = pooling(hidden, batch)
+        assert want.shape == (3, 8)
+        for dynamic in (False, True):
+            torch._dynamo.reset()
+            assert torch.equal(torch.compile(pooling, fullgraph=True, dynamic=dynamic)(hidden, batch), want)
+
+
+def test_position_ids_whose_values_cannot_be_read_are_refused_with_the_way_out():
+    hidden = torch.empty(1, 6, 8, device="meta")
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2]], device="meta")
+    with pytest.raises(ValueError, match=r"lmk_ops\.nn: expected position_ids whose values can be read .*pass "
+                                         r"cu_seqlens"):
+        lmk_ops.nn.Pooling("mean")(hidden, {"position_ids": position_ids})
+    offsets = torch.tensor([0, 3, 6], device="meta")
+    assert lmk_ops.nn.Pooling("mean")(hidden, {"position_ids": position_ids}, cu_seqlens=offsets,
+                                      max_seqlen=3).shape == (2, 8)
+
+
+@pytest.mark.parametrize("ids", [[0, 1, 2, 3, 4], [1, 1, 0, 1, 2]], ids=["one run", "not starting at the minimum"])
+def test_one_row_of_position_ids_without_a_mask_is_one_flattened_text(ids):
+    """One increasing run, or ids that do not start at their minimum (a left-padded row's, with no mask to say
+    so), hold one text of every row: pooled as the padded row is, and in the flattened layout whatever the ids'
+    values, so that attention's weights are [H, T] as for a row of several texts."""
+    hidden = torch.randn(1, 5, 8)
+    torch.manual_seed(0)
+    pooling = lmk_ops.nn.AttentionPooling(8, heads=2)
+    with torch.no_grad():
+        vectors, weights = pooling(hidden, {"position_ids": torch.tensor([ids])}, return_weights=True)
+        assert torch.equal(vectors, pooling(hidden))
+        assert weights.shape == (2, 5)
+        several = pooling(hidden, {"position_ids": torch.tensor([[0, 1, 0, 1, 2]])}, return_weights=True)[1]
+        assert several.shape == weights.shape
 
 
 @pytest.mark.parametrize("style", ["padding at 1", "clamped at 0"])

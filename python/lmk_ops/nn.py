@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from ._checks import check_call, check_scale_type, is_flag, is_integer
+from ._checks import check_call, check_scale_type, is_flag, is_integer, values_known
 
 __all__ = ["AttentionPooling", "Pooling"]
 
@@ -71,7 +71,8 @@ def packed_layout(hidden: Tensor, batch: Any, cu_seqlens: Tensor | None = None, 
     (``cu_seq_lens_q``, with ``max_length_q`` and ``seq_idx`` when present: the offsets define the texts),
     flash-attention's ``cu_seqlens``, or, with no attention mask anywhere, ``position_ids`` ``[1, T]`` that restart
     (transformers' ``DataCollatorWithFlattening`` by default; its flash-attention path likewise reads the position
-    ids only without a mask, which a padded row's ids, e.g. ``cumsum - 1`` clamped at 0, would otherwise fool).
+    ids only without a mask, which a padded row's ids, e.g. ``cumsum - 1`` clamped at 0, would otherwise fool; one
+    row of ids without a mask is read as flattened whatever its values: _offsets_from_position_ids).
     Flattened token states ``[1, T, D]`` become ``[T, D]``."""
     if cu_seqlens is None:
         cu_seqlens = _field(batch, "cu_seq_lens_q")
@@ -96,24 +97,25 @@ def packed_layout(hidden: Tensor, batch: Any, cu_seqlens: Tensor | None = None, 
 def _offsets_from_position_ids(hidden: Tensor, position_ids: Any) -> Tensor | None:
     """The offsets of the texts flattened into one row, read from its position ids as transformers' flash-attention
     path reads them (``prepare_fa_kwargs_from_position_ids``): a text starts wherever the ids return to their
-    minimum (0, or RoBERTa's padding_idx + 1). None unless the ids ``[1, T]`` match hidden ``[1, T, D]`` and restart
-    after a start at row 0: one increasing run is one text, whichever layout it is read as, and ids that do not
-    start at their minimum are a padded row's (left padding), not a flattened batch."""
+    minimum (0, or RoBERTa's padding_idx + 1). None unless the ids ``[1, T]`` match hidden ``[1, T, D]`` (T > 0).
+    Ids that do not start at their minimum are one padded row's (left padding) and one increasing run is one text:
+    both give the offsets ``[0, T]``, so that whether the row is read as flattened depends on shapes only, never on
+    the ids' values (the output's layout, e.g. attention's weights, is the same whatever texts the row holds), and
+    the reading is tensor ops whose one data-dependent size, the number of texts, torch.compile keeps in the graph
+    as an unbacked size (landmark_positions)."""
     if not (isinstance(position_ids, Tensor) and position_ids.dim() == 2 and hidden.dim() == 3
-            and position_ids.shape[0] == 1 and position_ids.shape == hidden.shape[:2] and position_ids.shape[1] > 1
+            and position_ids.shape[0] == 1 and position_ids.shape == hidden.shape[:2] and position_ids.shape[1] > 0
             and not position_ids.is_floating_point() and position_ids.device == hidden.device):
         return None
-    if torch.compiler.is_dynamo_compiling():
-        # Where the texts start depends on the ids' values: under torch.compile the graph ends here and they are read
-        # outside it, as in eager; with fullgraph=True compilation stops here, with this message.
-        torch._dynamo.graph_break(msg="lmk_ops.nn: a flattened batch's texts are read from its position_ids' values; "
-                                      "pass cu_seqlens (DataCollatorWithFlattening(return_flash_attn_kwargs=True) "
-                                      "gives them as cu_seq_lens_q) to keep the call in one graph")
     ids = position_ids[0]
-    starts = (ids == ids.min()).nonzero().view(-1)
-    if starts.shape[0] < 2 or int(starts[0]) != 0:
-        return None
-    return torch.cat([starts, starts.new_tensor([ids.shape[0]])])
+    if not torch.compiler.is_compiling() and not values_known(ids):
+        raise ValueError("lmk_ops.nn: expected position_ids whose values can be read (not on meta or fake tensors "
+                         "outside torch.compile, nor under torch.vmap): the flattened texts are found from them; "
+                         "pass cu_seqlens")
+    at_minimum = ids == ids.min()
+    starts = torch.cat([at_minimum.new_ones(1), at_minimum[1:] & at_minimum[0]])  # row 0 always; others if it is one
+    first_rows = ops.landmark_positions(starts.unsqueeze(0))[0]
+    return torch.cat([first_rows, first_rows.new_full((1,), ids.shape[0])])
 
 
 @overload

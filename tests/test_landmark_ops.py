@@ -211,3 +211,30 @@ def test_landmark_positions_refuse_a_text_with_more_than_num_landmarks_on_every_
     mask[2, 3:40:2] = True  # 19 landmarks, in the second round of a warp's scan too
     expect_bad_value(device, r"lmk_ops\.landmark_positions: expected at most num_landmarks = 18 landmarks per row, "
                              r"got 19 in row 2", lambda: lmk_ops.landmark_positions(mask, 18), request)
+
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["landmark_mean", "landmark_gather"])
+def test_an_int64_landmark_mask_of_zeros_and_ones_is_refused_not_read_as_positions(device, op, request):
+    """int64 [B, L] of 0s and 1s (a mask built with .long(), a tokenizer's special_tokens_mask) would read as
+    positions listing rows 0 and 1 again and again: refused as a bad value, on every device (CUDA: on the device,
+    without a sync)."""
+    hidden = torch.randn(2, 6, 4, device=device)
+    mask = torch.tensor([[0, 0, 1, 0, 0, 1], [0, 1, 0, 0, 1, 0]], device=device)
+    message = (rf"lmk_ops\.{op}: landmarks is an int64 \[B, L\] = \[2, 6\] tensor of 0s and 1s: a landmark mask in "
+               r"the wrong dtype \(pass landmarks\.bool\(\)\), which read as positions would list rows 0 and 1 again "
+               r"and again; expected positions' largest entry to be at least 2, or some entry -1, got 1")
+    expect_bad_value(device, message, lambda: getattr(lmk_ops, op)(hidden, mask), request)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["landmark_mean", "landmark_gather"])
+def test_positions_of_width_l_that_list_rows_0_and_1_are_still_taken_with_a_minus_one_or_a_larger_row(device, op):
+    hidden = torch.randn(2, 6, 4, device=device)
+    cases = [[[0, 1, -1, 0, 1, 1], [1, 1, 1, 1, 1, 1]], [[0, 1, 2, 0, 1, 1], [1, 1, 1, 1, 1, 1]], [[0, 1], [1, 1]]]
+    for positions in cases:
+        positions = torch.tensor(positions, device=device)
+        got, want = getattr(lmk_ops, op)(hidden, positions), getattr(reference, op)(hidden, positions)
+        for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            torch.testing.assert_close(a, b)

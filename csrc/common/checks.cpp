@@ -4,6 +4,7 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "common/device_name.h"
 #include "common/error.h"
@@ -150,6 +151,25 @@ void check_landmarks_device(const char* op, const Tensor& landmarks, const Tenso
       device_name(like), "), got ", device_name(landmarks));
 }
 
+// An int64 [B, L] tensor (L >= 3) of 0s and 1s only is a landmark mask in the wrong dtype (made from input ids with
+// .long(), or a tokenizer's special_tokens_mask), not positions: read as positions it would list rows 0 and 1 again
+// and again, a silent wrong answer. It is refused like a bad value, without synchronising: its largest entry, taken
+// as 2 where some entry is -1, must be at least 2. (Positions that list only rows 0 and 1, L >= 3 times, have no use;
+// L = 2 stays ambiguous, and positions [B, 2] are taken.)
+static void refuse_integer_mask(const char* op, const Tensor& positions) {
+  const std::vector<int64_t> all{0, 1};
+  const Tensor largest = aten("aten::amax", "", positions, all, true);
+  const Tensor smallest = aten("aten::amin", "", positions, all, true);
+  const Tensor key = where(ge(smallest, 0), largest, full_on(positions, {1, 1}, 2, ScalarType::Long));
+  std::ostringstream expected;
+  expected << "lmk_ops." << op << ": landmarks is an int64 [B, L] = " << shape_str(positions.sizes())
+           << " tensor of 0s and 1s: a landmark mask in the wrong dtype (pass landmarks.bool()), which read as "
+              "positions would list rows 0 and 1 again and again; expected positions' largest entry to be at least "
+              "2, or some entry -1";
+  kernels_for(positions).check_range(key, 2, std::numeric_limits<int64_t>::max(), Tensor(), expected.str(),
+                                     EntryName::kNone);
+}
+
 Tensor prepare_positions(
     const char* op,
     const Tensor& positions,
@@ -171,6 +191,9 @@ Tensor prepare_positions(
     expected << "lmk_ops." << op << ": expected landmark positions in [0, L) = [0, " << seq_len
              << ") or -1 for none";
     kernels_for(p).check_range(p, -1, seq_len - 1, Tensor(), expected.str(), EntryName::kLandmarks);
+    if (p.size(1) == seq_len && seq_len >= 3 && p.size(0) > 0) {
+      refuse_integer_mask(op, p);
+    }
   }
   return p;
 }

@@ -106,8 +106,9 @@ def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False,
         landmarks: either a bool mask ``[B, L]`` (True at landmark tokens, as :func:`lmk_ops.insert_landmarks`
             returns), or int64 positions ``[B, K]`` padded with -1 (``-1`` entries may appear anywhere and are
             skipped). A position listed twice counts twice: the result is the mean of the listed rows, exactly
-            the mean of what :func:`landmark_gather` returns for the valid entries. An integer 0/1 mask is *not*
-            accepted as a mask (it would read as positions): pass ``mask.bool()``. Packed: a bool ``[T]`` mask, or
+            the mean of what :func:`landmark_gather` returns for the valid entries. An integer mask is *not* taken
+            for a mask: an int64 ``[B, L]`` (L >= 3) of 0s and 1s only, which as positions would list rows 0 and 1
+            again and again, is refused as a bad value; pass ``mask.bool()``. Packed: a bool ``[T]`` mask, or
             positions ``[B, K]`` counted from each text's start.
         {normalize}
         {packed}
@@ -217,7 +218,7 @@ def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | N
         hidden: ``[B, L, D]`` float16, bfloat16, float32 or float64, any strides (``[T, D]`` with cu_seqlens).
         landmarks: int64 positions ``[B, K]`` padded with -1, or a bool mask ``[B, L]`` (``[T]`` packed; turned
             into positions by :func:`landmark_positions`, with ``num_landmarks``). Packed positions count from
-            each text's start.
+            each text's start. An int64 ``[B, L]`` 0/1 mask is refused, as in :func:`landmark_mean`.
         cu_seqlens: a packed batch's offsets, as for :func:`mean_pool`.
         max_seqlen: accepted for one call shape across the ops (K comes from the positions or num_landmarks); a
             text longer than it is an error, as in the other ops.

@@ -1,5 +1,6 @@
 #include "common/checks.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <sstream>
@@ -157,10 +158,21 @@ void check_landmarks_device(const char* op, const Tensor& landmarks, const Tenso
 // as 2 where some entry is -1, must be at least 2. (Positions that list only rows 0 and 1, L >= 3 times, have no use;
 // L = 2 stays ambiguous, and positions [B, 2] are taken.)
 static void refuse_integer_mask(const char* op, const Tensor& positions) {
-  const std::vector<int64_t> all{0, 1};
-  const Tensor largest = aten("aten::amax", "", positions, all, true);
-  const Tensor smallest = aten("aten::amin", "", positions, all, true);
-  const Tensor key = where(ge(smallest, 0), largest, full_on(positions, {1, 1}, 2, ScalarType::Long));
+  Tensor key;
+  if (takes_host_path(positions)) {  // stops at the first entry other than 0 and 1: positions' first, as a rule
+    const int64_t* p = positions.const_data_ptr<int64_t>();
+    const int64_t* other = std::find_if(p, p + positions.numel(), [](int64_t v) { return v != 0 && v != 1; });
+    if (other != p + positions.numel()) {
+      return;
+    }
+    key = full_on(positions, {1, 1}, static_cast<double>(*std::max_element(p, p + positions.numel())),
+                  ScalarType::Long);
+  } else {
+    const std::vector<int64_t> all{0, 1};
+    const Tensor largest = aten("aten::amax", "", positions, all, true);
+    const Tensor smallest = aten("aten::amin", "", positions, all, true);
+    key = where(ge(smallest, 0), largest, full_on(positions, {1, 1}, 2, ScalarType::Long));
+  }
   std::ostringstream expected;
   expected << "lmk_ops." << op << ": landmarks is an int64 [B, L] = " << shape_str(positions.sizes())
            << " tensor of 0s and 1s: a landmark mask in the wrong dtype (pass landmarks.bool()), which read as "

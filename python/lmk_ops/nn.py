@@ -279,11 +279,11 @@ class Pooling(torch.nn.Module):
 def _valid_counts(hidden: Tensor, mask: Tensor | None, packed: dict) -> Tensor:
     """The number of valid tokens of each text, [B] int64."""
     if packed:
-        offsets = packed["cu_seqlens"].long()
+        starts, ends = _bounds(packed["cu_seqlens"].long())
         if mask is None:
-            return offsets[1:] - offsets[:-1]
-        before = torch.cat([offsets.new_zeros(1), (mask != 0).long().cumsum(0)])
-        return before[offsets[1:]] - before[offsets[:-1]]
+            return ends - starts
+        before = torch.cat([starts.new_zeros(1), (mask != 0).long().cumsum(0)])
+        return before[ends] - before[starts]
     if mask is None:
         return torch.full((hidden.shape[0],), hidden.shape[1], dtype=torch.long, device=hidden.device)
     return (mask != 0).sum(1)
@@ -297,9 +297,18 @@ def _mean_sqrt_len(hidden: Tensor, mask: Tensor | None, packed: dict) -> Tensor:
     return (mean * counts.sqrt()).to(hidden.dtype)
 
 
+def _bounds(offsets: Tensor) -> tuple[Tensor, Tensor]:
+    """A packed batch's texts' first rows and ends, offsets[:-1] and offsets[1:], as narrow() views: torch 2.10's
+    inductor fails to lower those slices where the texts' number is an unbacked size (texts read from position ids:
+    KeyError 'unbacked_bindings'), and narrow's explicit lengths spare it the unknown bound."""
+    texts = offsets.shape[0] - 1
+    return offsets.narrow(0, 0, texts), offsets.narrow(0, 1, texts)
+
+
 def _rows_of_texts(per_text: Tensor, offsets: Tensor, tokens: int) -> Tensor:
     """A packed batch's per-text values [B] repeated over each text's rows: [T]."""
-    return torch.repeat_interleave(per_text, offsets[1:] - offsets[:-1], output_size=tokens)
+    starts, ends = _bounds(offsets)
+    return torch.repeat_interleave(per_text, ends - starts, output_size=tokens)
 
 
 def _valid_ranks(op: str, hidden: Tensor, mask: Tensor | None,
@@ -310,7 +319,8 @@ def _valid_ranks(op: str, hidden: Tensor, mask: Tensor | None,
     if packed:
         offsets, valid = ops.packed_valid(op, hidden, mask, packed["cu_seqlens"], packed.get("max_seqlen"))
         before = torch.cat([offsets.new_zeros(1), valid.long().cumsum(0)])  # valid rows before each row, and all
-        rank = before[1:] - _rows_of_texts(before[offsets[:-1]], offsets, hidden.shape[0])
+        rank = before.narrow(0, 1, hidden.shape[0]) - _rows_of_texts(before[_bounds(offsets)[0]], offsets,
+                                                                      hidden.shape[0])
     else:
         offsets, valid = None, ops.padded_valid(op, hidden, mask)
         rank = valid.long().cumsum(-1)

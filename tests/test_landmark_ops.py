@@ -213,7 +213,6 @@ def test_landmark_positions_refuse_a_text_with_more_than_num_landmarks_on_every_
                              r"got 19 in row 2", lambda: lmk_ops.landmark_positions(mask, 18), request)
 
 
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", ["landmark_mean", "landmark_gather"])
 def test_an_int64_landmark_mask_of_zeros_and_ones_is_refused_not_read_as_positions(device, op, request):

@@ -198,10 +198,16 @@ def test_bad_attention_queries(case, device):
         lmk_ops.attention_pool(torch.randn(2, 3, 12, device=device), None, make_query().to(device), **options)
 
 
-def test_attention_needs_features_and_a_query_on_the_same_device():
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_attention_needs_features_and_a_query_on_the_same_device(device):
     with pytest.raises(RuntimeError, match=r"^lmk_ops\.attention_pool: expected hidden with D > 0 features "
                                            r"\(attention scores need them\), got shape \[2, 3, 0\]"):
-        lmk_ops.attention_pool(torch.randn(2, 3, 0), None, torch.randn(0))
+        lmk_ops.attention_pool(torch.randn(2, 3, 0, device=device), None, torch.randn(0, device=device))
+    # A packed batch's message shows hidden as given, [T, D], not the kernels' view of it.
+    with pytest.raises(RuntimeError, match=r"^lmk_ops\.attention_pool: expected hidden with D > 0 features "
+                                           r"\(attention scores need them\), got shape \[5, 0\]"):
+        lmk_ops.attention_pool(torch.randn(5, 0, device=device), None, torch.randn(0, device=device),
+                               cu_seqlens=torch.tensor([0, 2, 5], device=device))
     with pytest.raises(RuntimeError, match=r"^lmk_ops\.attention_pool: expected query on the same device as hidden "
                                            r"\(cpu\), got meta"):
         lmk_ops.attention_pool(torch.randn(2, 3, 4), None, torch.randn(4, device="meta"))

@@ -233,7 +233,7 @@ RowSelection prepare_landmarks(
 }
 
 Heads check_query(const char* op, const Tensor& query, const Tensor& hidden) {
-  const int64_t dim = hidden.size(2);
+  const int64_t dim = hidden.size(hidden.dim() - 1);
   LMK_CHECK(
       dim > 0, "lmk_ops.", op, ": expected hidden with D > 0 features (attention scores need them), got shape ",
       shape_str(hidden.sizes()));

@@ -77,8 +77,8 @@ struct Heads {
   int64_t dim;
 };
 
-// query: [D] (one head) or [H, D / H] (H heads) of a floating dtype, on hidden's device, where hidden (checked)
-// has D > 0 features.
+// query: [D] (one head) or [H, D / H] (H heads) of a floating dtype, on hidden's device, where hidden ([B, L, D],
+// or packed [T, D]; checked) has D > 0 features.
 Heads check_query(const char* op, const Tensor& query, const Tensor& hidden);
 
 // The attention score scale: the given one, which must be finite, or 1 / sqrt(head_dim).

@@ -64,10 +64,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_pool(const Tensor& hidden_in, const
   const Tensor hidden = unit_feature_stride(hidden_in);
   if (cu_seqlens.has_value()) {
     const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen);
-    const Tensor view = packed.batch_view(hidden);
-    const Heads heads = check_query(op, query, view);
+    const Heads heads = check_query(op, query, hidden);
     const double s = resolve_scale(op, scale, heads.dim);
     const Tensor valid = prepare_packed_mask(op, mask, packed, hidden);
+    const Tensor view = packed.batch_view(hidden);
     return attention_forward(view, packed_rows(packed, valid), query, heads, s, return_weights);
   }
   check_hidden(op, hidden, max_seqlen);
@@ -120,7 +120,7 @@ std::tuple<Tensor, Tensor> attention_pool_backward(
     // The offsets checked as the forward checks them: CUDA's backward kernels take each text's rows from them.
     const PackedBatch packed = prepare_packed_hidden(op, hidden, *cu_seqlens, max_seqlen);
     const Tensor view = packed.batch_view(hidden);
-    const Heads heads = check_query(op, query, view);
+    const Heads heads = check_query(op, query, hidden);
     const double s = resolve_scale(op, scale, heads.dim);
     const int64_t batch = packed.batch, dim = hidden.size(1);
     check_backward_inputs(op, grad, gw, out, stats, batch, dim, heads, {heads.count, packed.tokens}, hidden);

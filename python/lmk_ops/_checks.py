@@ -197,8 +197,8 @@ def check_landmarks(op: str, landmarks: torch.Tensor, batch, seq_len, like: torc
 
 
 def check_query(op: str, query: torch.Tensor, hidden: torch.Tensor) -> tuple[int, int]:
-    """query [D] or [H, D // H] for hidden [B, L, D] (checked); returns (H, D // H)."""
-    dim = hidden.shape[2]
+    """query [D] or [H, D // H] for hidden [B, L, D] or packed [T, D] (checked); returns (H, D // H)."""
+    dim = hidden.shape[-1]
     if dim == 0:
         fail(op, f"expected hidden with D > 0 features (attention scores need them), got shape {_shape(hidden)}")
     if query.device != hidden.device:

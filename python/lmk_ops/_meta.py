@@ -183,7 +183,7 @@ def _attention_pool_fake(hidden, mask, query, scale=None, return_weights=False, 
     if cu_seqlens is not None:
         batch = check_packed(op, hidden, cu_seqlens, max_seqlen)
         seq_len = hidden.shape[0]
-        heads, _ = check_query(op, query, hidden.unsqueeze(0))
+        heads, _ = check_query(op, query, hidden)
         check_packed_mask(op, mask, seq_len, hidden)
         weights_shape = (heads, seq_len)
     else:
@@ -203,13 +203,13 @@ def _attention_pool_backward_fake(grad_out, grad_weights, hidden, mask, query, o
     op = "attention_pool_backward"
     if cu_seqlens is not None:
         batch = check_packed(op, hidden, cu_seqlens)
-        (seq_len, dim), view = hidden.shape, hidden.unsqueeze(0)
+        seq_len, dim = hidden.shape
         check_packed_mask(op, mask, seq_len, hidden)
     else:
         check_hidden(op, hidden, max_seqlen)
-        (batch, seq_len, dim), view = hidden.shape, hidden
+        batch, seq_len, dim = hidden.shape
         check_mask(op, mask, batch, seq_len, hidden)
-    heads, _ = check_query(op, query, view)
+    heads, _ = check_query(op, query, hidden)
     check_scale(op, scale)
     check_float_tensor(op, "grad_out", grad_out, (batch, dim), hidden)
     check_float_tensor(op, "out", out, (batch, dim), hidden)

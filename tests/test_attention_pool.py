@@ -278,6 +278,26 @@ def test_attention_pooling_module_starts_as_mean_pooling_and_learns():
         AttentionPooling(30, heads=4)
 
 
+def test_per_sample_query_gradients_with_torch_func():
+    """The usual torch.func recipe (functional_call, grad, vmap over the examples) gives each example's query
+    gradient with the bits of a backward on that example alone."""
+    module = AttentionPooling(16, heads=2).double()
+    torch.nn.init.normal_(module.query, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(1)
+    hidden, target = torch.randn(4, 7, 16, dtype=torch.float64, generator=gen), torch.randn(4, 16, dtype=torch.float64)
+    mask = torch.rand(4, 7, generator=gen) < 0.7
+
+    def loss(params, h, m, t):
+        pooled = torch.func.functional_call(module, params, (h[None], {"attention_mask": m[None]}))[0]
+        return (pooled - t).square().sum()
+
+    params = {name: p.detach() for name, p in module.named_parameters()}
+    per_example = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0, 0))(params, hidden, mask, target)
+    one_by_one = [torch.autograd.grad(loss(dict(module.named_parameters()), *example), module.query)[0]
+                  for example in zip(hidden, mask, target)]
+    assert torch.equal(per_example["query"], torch.stack(one_by_one))
+
+
 def test_pooling_attention_mode():
     pooling = Pooling("attention", dim=16, heads=2, normalize=True)
     hidden = torch.randn(2, 5, 16)

@@ -160,6 +160,53 @@ def test_eager_and_dispatcher_autograd_give_the_same_bits(name, kind, device, mo
         assert (mine is None and theirs is None) or torch.equal(mine, theirs)
 
 
+def _torch_func_matches_autograd(f, hidden, generator):
+    """torch.func.vjp, grad of grad, jacrev and torch.vmap over grad of f give torch.autograd's bits."""
+    out, pullback = torch.func.vjp(f, hidden)
+    up = torch.randn(out.shape, generator=generator, dtype=out.dtype).to(out.device)
+    h = hidden.clone().requires_grad_()
+    (g,) = torch.autograd.grad(f(h), h, up.clone().requires_grad_(), create_graph=True)  # (g needs a graph)
+    (gg,) = torch.autograd.grad((g * g).sum(), h, materialize_grads=True)  # zeros where f is linear
+    assert torch.equal(pullback(up)[0], g)
+    assert torch.equal(torch.func.grad(lambda x: (torch.func.vjp(f, x)[1](up)[0] ** 2).sum())(hidden), gg)
+    assert torch.equal(torch.func.jacrev(f)(hidden), torch.autograd.functional.jacobian(f, hidden))
+    stack = torch.stack([hidden, 2 * hidden, -hidden])
+    per_slice = torch.func.vmap(torch.func.grad(lambda x: (f(x) * up).sum()))(stack)
+    slices = [x.clone().requires_grad_() for x in stack]
+    assert torch.equal(per_slice, torch.stack([torch.autograd.grad(f(x), x, up)[0] for x in slices]))
+
+
+@pytest.mark.parametrize("name,kind", CASES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_func_reverse_mode_gives_autograds_bits(name, kind, device):
+    # Inside torch.func's transforms the public functions differentiate through a third Function of the same
+    # setup_context and backward, one that the transforms take (_dispatch.call); the backward ops have vmap rules.
+    fn, hidden, arg = _case(name, kind, torch.float64, device)
+    _torch_func_matches_autograd(lambda h: fn(h, arg), hidden.detach(), torch.Generator().manual_seed(4))
+
+
+PACKED_FUNCTIONS = {
+    "mean_pool+normalize": lambda h, m, cu: lmk_ops.mean_pool(h, m, normalize=True, cu_seqlens=cu),
+    "max_pool": lambda h, m, cu: lmk_ops.max_pool(h, m, cu_seqlens=cu),
+    "landmark_mean": lambda h, m, cu: lmk_ops.landmark_mean(h, m, cu_seqlens=cu),
+    "landmark_gather": lambda h, m, cu: lmk_ops.landmark_gather(h, m, num_landmarks=3, cu_seqlens=cu)[0],
+    "last_token_pool": lambda h, m, cu: lmk_ops.last_token_pool(h, m, cu_seqlens=cu),
+    "attention_pool weights": lambda h, m, cu: lmk_ops.attention_pool(
+        h, m, QUERY.to(h.device, h.dtype).reshape(1, 13), return_weights=True, cu_seqlens=cu)[1],
+}
+
+
+@pytest.mark.parametrize("name", PACKED_FUNCTIONS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_func_reverse_mode_over_packed_batches(name, device):
+    hidden, mask = _inputs(torch.float64, requires_grad=False, device=device)
+    offsets = torch.tensor([0, 11, 15, 15], device=device)  # _inputs' valid rows, packed, and an empty text
+    packed, landmarks = hidden[mask.bool()], LANDMARK_MASK.to(device)[mask.bool()]
+    valid = landmarks if name.startswith("landmark") else ~landmarks  # the other ops take a mask with gaps
+    _torch_func_matches_autograd(lambda h: PACKED_FUNCTIONS[name](h, valid, offsets), packed,
+                                 torch.Generator().manual_seed(5))
+
+
 @pytest.mark.parametrize("name,kind", CASES)
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradcheck_and_gradgradcheck_float64(name, kind, device):

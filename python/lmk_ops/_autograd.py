@@ -193,19 +193,21 @@ def _attention_pool_backward_setup(ctx, inputs, output):
 def _attention_pool_backward_backward(ctx, grad_grad_hidden, grad_grad_query):
     grad, grad_weights, hidden, mask, query, cu_seqlens = ctx.saved_tensors
     wide = accumulation_dtype(hidden.dtype)
-    leaves = [t.detach().to(wide).requires_grad_() for t in (grad, hidden, query)]
+    leaves = [t.to(wide) for t in (grad, hidden, query)]
     if ctx.has_grad_weights:
-        leaves.append(grad_weights.detach().to(wide).requires_grad_())
-    with torch.enable_grad():
-        g, h, q = leaves[:3]
-        out, weights = reference.attention_pool(h, mask, q, scale=ctx.scale, return_weights=True,
-                                                cu_seqlens=cu_seqlens, max_seqlen=ctx.max_seqlen)
-        weights_grad = leaves[3].reshape(weights.shape) if ctx.has_grad_weights else torch.zeros_like(weights)
-        upstream = (g, weights_grad)
-        grad_h, grad_q = torch.autograd.grad((out, weights), (h, q), upstream, create_graph=True)
-        found = torch.autograd.grad((grad_h, grad_q), leaves, (grad_grad_hidden.to(wide), grad_grad_query.to(wide)),
-                                    allow_unused=True)
-    found = [torch.zeros_like(t) if f is None else f for f, t in zip(found, leaves)]
+        leaves.append(grad_weights.to(wide))
+
+    def backward(g, h, q, weights_grad=None):  # attention_pool_backward, by the reference's autograd
+        def forward(h, q):
+            return reference.attention_pool(h, mask, q, scale=ctx.scale, return_weights=True, cu_seqlens=cu_seqlens,
+                                            max_seqlen=ctx.max_seqlen)
+        (_, weights), pullback = torch.func.vjp(forward, h, q)
+        weights_grad = torch.zeros_like(weights) if weights_grad is None else weights_grad.reshape(weights.shape)
+        return pullback((g, weights_grad))
+
+    # torch.func.vjp rather than requires_grad_() and torch.autograd.grad, which torch.func's transforms refuse.
+    _, pullback = torch.func.vjp(backward, *leaves)
+    found = pullback((grad_grad_hidden.to(wide), grad_grad_query.to(wide)))
     d_grad, d_hidden, d_query = (f.to(t.dtype) for f, t in zip(found[:3], (grad, hidden, query)))
     d_grad_weights = found[3].to(grad_weights.dtype) if ctx.has_grad_weights else None
     return d_grad, d_grad_weights, d_hidden, None, d_query, None, None, None, None, None

@@ -104,9 +104,9 @@ def call_problem(hidden, max_seqlen, others: dict) -> str | None:
 
 
 def check_modes(op: str, hidden, others: dict) -> None:
-    """Refuses the differentiation modes the ops do not support, which would otherwise give silently wrong results:
-    forward mode (zero tangents), and torch.func's grad transforms, which need functorch-aware autograd. torch.vmap
-    works, and so does reverse mode. Two cheap tests decide the usual call (no dual level, no transform)."""
+    """Refuses forward-mode differentiation, which the ops do not support and which would otherwise give silently
+    wrong (zero) tangents. Reverse mode works, through torch.func's transforms (grad, vjp, jacrev) too, and so does
+    torch.vmap. Two cheap tests decide the usual call (no dual level, no transform)."""
     if _forward_ad.__dict__.get("_current_level", -1) >= 0 and any(
             _forward_ad.unpack_dual(t).tangent is not None for t in (hidden, *others.values())
             if isinstance(t, torch.Tensor)):
@@ -118,9 +118,6 @@ def check_modes(op: str, hidden, others: dict) -> None:
     if torch._C._functorch.TransformType.Jvp in transforms:
         fail(op, "forward-mode AD is not supported (torch.func.jvp, jacfwd, hessian); use reverse mode "
              "(torch.autograd.grad, .backward())")
-    if torch._C._functorch.TransformType.Grad in transforms:
-        fail(op, "torch.func.grad, vjp and jacrev are not supported; use torch.autograd.grad or .backward() "
-             "(torch.vmap works)")
 
 
 def check_call(op: str, hidden, *, max_seqlen=None, **others) -> None:

@@ -30,7 +30,12 @@ def register_autograd(name: str, backward, setup_context) -> None:
 
     function = type(op.__name__.replace("lmk_ops.", ""), (torch.autograd.Function,), {
         "forward": staticmethod(forward), "backward": staticmethod(backward)})
-    _functions[op] = (function, defaults)
+    # torch.func's transforms need a Function with a separate setup_context (and, under torch.vmap, a vmap rule:
+    # generated, from the ops' own rules).
+    transformable = type(op.__name__.replace("lmk_ops.", ""), (torch.autograd.Function,), {
+        "forward": staticmethod(op), "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward), "generate_vmap_rule": True})
+    _functions[op] = (function, transformable, defaults)
 
 
 def call(op, *args):
@@ -38,13 +43,16 @@ def call(op, *args):
     altogether (the op's autograd kernel is a Python function whose tens of microseconds per call are most of a small
     pooling's time: inference on a short query, first-token pooling). The backward functions call the backward ops
     through here too, so a double backward (create_graph) is recorded the same way. While compiling (dynamo traces the
-    plain call), under torch.jit.trace (which would record the Function as a Python op that it can neither check nor
-    save) or inside torch.func transforms, whose layers need every dispatch key, the op is called as it is."""
-    if (torch.compiler.is_compiling() or torch._C._is_tracing()
-            or torch._C._functorch.peek_interpreter_stack() is not None):
+    plain call) or under torch.jit.trace (which would record the Function as a Python op that it can neither check
+    nor save), the op is called as it is; inside torch.func transforms, through the Function that they can take
+    (torch.library.register_autograd's, which a plain call would reach, has no setup_context, and they refuse it)."""
+    if torch.compiler.is_compiling() or torch._C._is_tracing():
         return op(*args)
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        _, transformable, defaults = _functions[op]
+        return transformable.apply(*args, *defaults[len(args):])
     if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
-        function, defaults = _functions[op]
+        function, _, defaults = _functions[op]
         return function.apply(*args, *defaults[len(args):])
     with torch._C._AutoDispatchBelowAutograd():
         return op(*args)

@@ -1,18 +1,19 @@
-"""torch.vmap batching rules for the forward ops.
+"""torch.vmap batching rules for the ops (the backward ops' for torch.func.jacrev and torch.vmap over torch.func.grad).
 
 Without them torch.vmap runs each op once per vmapped slice (PyTorch's fallback, which also warns the user to file
 an issue with PyTorch). A padded batch of texts vmapped N times is one batch of N * B texts: the rules fold the
 vmapped dimension into the ops' own batch dimension, call the op once, and unfold its outputs. A text pools to the
 same bits alone or in any batch, so the folded call gives exactly what the slices would. Packed batches
-(cu_seqlens) and a vmapped query are run slice by slice, as the fallback would, without its warning.
+(cu_seqlens), a vmapped query and attention's backward are run slice by slice, as the fallback would, without its
+warning.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Per forward op: the arguments whose first dimension is the batch of texts in the padded layout (hidden, the mask or
-# landmarks), and the index of cu_seqlens.
+# Per op: the arguments whose first dimension is the batch of texts in the padded layout (hidden, the mask or
+# landmarks; a backward op's pooled gradient), and the index of cu_seqlens.
 _FOLDABLE = {
     "mean_pool": ((0, 1), 3),
     "max_pool": ((0, 1), 3),
@@ -21,6 +22,11 @@ _FOLDABLE = {
     "token_pool": ((0, 1), 3),
     "landmark_positions": ((0,), 2),
     "attention_pool": ((0, 1), 5),  # the query (2) is the same for every text
+    "mean_pool_backward": ((0, 1), 4),  # the pooled gradient [B, D] and the mask
+    "max_pool_backward": ((0, 1), 3),
+    "landmark_mean_backward": ((0, 1), 4),
+    "landmark_gather_backward": ((0, 1), 3),
+    "attention_pool_backward": ((), 8),  # slice by slice: its query gradient sums over the texts
 }
 
 

@@ -352,11 +352,6 @@ def _h():
     return torch.randn(2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
 
 
-UNSUPPORTED = {
-    "jvp": lambda f, h: torch.func.jvp(f, (h,), (torch.ones_like(h),)),
-    "jacfwd": lambda f, h: torch.func.jacfwd(f)(h),
-    "hessian": lambda f, h: torch.func.hessian(lambda x: f(x).sum())(h),
-}
 FUNCTIONS = {
     "mean_pool": lambda h: lmk_ops.mean_pool(h),
     "max_pool": lambda h: lmk_ops.max_pool(h),
@@ -367,19 +362,40 @@ FUNCTIONS = {
 }
 
 
-@pytest.mark.parametrize("mode", UNSUPPORTED)
 @pytest.mark.parametrize("op", FUNCTIONS)
-def test_torch_func_forward_mode_is_refused_with_an_lmk_ops_message(op, mode):
-    with pytest.raises(RuntimeError, match=r"^lmk_ops\.\w+: forward-mode AD is not supported"):
-        UNSUPPORTED[mode](FUNCTIONS[op], _h())
-
-
-@pytest.mark.parametrize("op", FUNCTIONS)
-def test_forward_ad_is_refused_and_vmap_and_reverse_mode_work(op):
+def test_forward_mode_gives_the_jacobians_tangents(op):
+    """Forward mode (the ops' jvp rules) gives J t, as the reverse-mode Jacobian says, through torch.func.jvp,
+    jacfwd, hessian (forward over reverse) and torch.autograd.forward_ad (it used to give zero tangents silently)."""
     import torch.autograd.forward_ad as forward_ad
 
-    with forward_ad.dual_level(), pytest.raises(RuntimeError, match=r"forward-mode AD is not supported"):
-        FUNCTIONS[op](forward_ad.make_dual(_h(), torch.ones(2, 3, 4, dtype=torch.float64)))
+    fn, h = FUNCTIONS[op], _h()
+    tangent = torch.linspace(-1, 1, h.numel(), dtype=torch.float64).reshape(h.shape)
+    jacobian = torch.autograd.functional.jacobian(fn, h)
+    want = (jacobian.flatten(-3) @ tangent.flatten()).reshape(fn(h).shape)
+    torch.testing.assert_close(torch.func.jvp(fn, (h,), (tangent,))[1], want)
+    with forward_ad.dual_level():
+        torch.testing.assert_close(forward_ad.unpack_dual(fn(forward_ad.make_dual(h, tangent))).tangent, want)
+    torch.testing.assert_close(torch.func.jacfwd(fn)(h), jacobian)
+    torch.testing.assert_close(torch.func.hessian(lambda x: fn(x).square().sum())(h),
+                               torch.autograd.functional.hessian(lambda x: fn(x).square().sum(), h))
+
+
+def test_forward_mode_inside_torch_compile_runs_eagerly_or_fails_clearly():
+    # Traced by dynamo, the ops have no forward-mode rule (PyTorch's custom-op route has none) and their tangents
+    # would come out zero: call() makes dynamo run such a frame eagerly, and fullgraph=True fail with a message.
+    torch._dynamo.reset()
+    fn, h = FUNCTIONS["attention_pool"], _h()
+    tangent = torch.ones_like(h)
+    eager = torch.func.jvp(fn, (h,), (tangent,))[1]
+    assert eager.abs().sum() > 0
+    assert torch.equal(torch.compile(lambda x, t: torch.func.jvp(fn, (x,), (t,))[1])(h, tangent), eager)
+    with pytest.raises(Exception, match=r"lmk_ops\.attention_pool: forward-mode AD .* runs eagerly, not inside "
+                                        r"torch\.compile\(fullgraph=True\)"):
+        torch.compile(lambda x, t: torch.func.jvp(fn, (x,), (t,))[1], fullgraph=True)(h, tangent)
+
+
+@pytest.mark.parametrize("op", FUNCTIONS)
+def test_vmap_and_reverse_mode_work(op):
     stacked = torch.stack([_h(), 2 * _h()])
     assert torch.allclose(torch.vmap(FUNCTIONS[op])(stacked)[1], FUNCTIONS[op](2 * _h()))
     h = _h().requires_grad_()

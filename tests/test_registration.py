@@ -161,7 +161,8 @@ def test_eager_and_dispatcher_autograd_give_the_same_bits(name, kind, device, mo
 
 
 def _torch_func_matches_autograd(f, hidden, generator):
-    """torch.func.vjp, grad of grad, jacrev and torch.vmap over grad of f give torch.autograd's bits."""
+    """torch.func.vjp, grad of grad, jacrev and torch.vmap over grad of f give torch.autograd's bits; jacfwd (the
+    ops' forward-mode rules, under torch.vmap) its Jacobian."""
     out, pullback = torch.func.vjp(f, hidden)
     up = torch.randn(out.shape, generator=generator, dtype=out.dtype).to(out.device)
     h = hidden.clone().requires_grad_()
@@ -169,7 +170,9 @@ def _torch_func_matches_autograd(f, hidden, generator):
     (gg,) = torch.autograd.grad((g * g).sum(), h, materialize_grads=True)  # zeros where f is linear
     assert torch.equal(pullback(up)[0], g)
     assert torch.equal(torch.func.grad(lambda x: (torch.func.vjp(f, x)[1](up)[0] ** 2).sum())(hidden), gg)
-    assert torch.equal(torch.func.jacrev(f)(hidden), torch.autograd.functional.jacobian(f, hidden))
+    jacobian = torch.autograd.functional.jacobian(f, hidden)
+    assert torch.equal(torch.func.jacrev(f)(hidden), jacobian)
+    torch.testing.assert_close(torch.func.jacfwd(f)(hidden), jacobian)
     stack = torch.stack([hidden, 2 * hidden, -hidden])
     per_slice = torch.func.vmap(torch.func.grad(lambda x: (f(x) * up).sum()))(stack)
     slices = [x.clone().requires_grad_() for x in stack]
@@ -178,7 +181,7 @@ def _torch_func_matches_autograd(f, hidden, generator):
 
 @pytest.mark.parametrize("name,kind", CASES)
 @pytest.mark.parametrize("device", DEVICES)
-def test_torch_func_reverse_mode_gives_autograds_bits(name, kind, device):
+def test_torch_func_gives_autograds_results(name, kind, device):
     # Inside torch.func's transforms the public functions differentiate through a third Function of the same
     # setup_context and backward, one that the transforms take (_dispatch.call); the backward ops have vmap rules.
     fn, hidden, arg = _case(name, kind, torch.float64, device)
@@ -198,7 +201,7 @@ PACKED_FUNCTIONS = {
 
 @pytest.mark.parametrize("name", PACKED_FUNCTIONS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_torch_func_reverse_mode_over_packed_batches(name, device):
+def test_torch_func_over_packed_batches(name, device):
     hidden, mask = _inputs(torch.float64, requires_grad=False, device=device)
     offsets = torch.tensor([0, 11, 15, 15], device=device)  # _inputs' valid rows, packed, and an empty text
     packed, landmarks = hidden[mask.bool()], LANDMARK_MASK.to(device)[mask.bool()]
@@ -210,9 +213,10 @@ def test_torch_func_reverse_mode_over_packed_batches(name, device):
 @pytest.mark.parametrize("name,kind", CASES)
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradcheck_and_gradgradcheck_float64(name, kind, device):
+    # Reverse and forward mode (the ops' jvp rules), and forward over reverse (torch.func.hessian's way).
     fn, hidden, arg = _case(name, kind, torch.float64, device)
-    assert torch.autograd.gradcheck(lambda h: fn(h, arg), (hidden,))
-    assert torch.autograd.gradgradcheck(lambda h: fn(h, arg), (hidden,))
+    assert torch.autograd.gradcheck(lambda h: fn(h, arg), (hidden,), check_forward_ad=True)
+    assert torch.autograd.gradgradcheck(lambda h: fn(h, arg), (hidden,), check_fwd_over_rev=True)
 
 
 @pytest.mark.parametrize("op", [*OPS, "landmark_mean+normalize"])
@@ -470,8 +474,9 @@ def test_attention_gradcheck_and_gradgradcheck_float64(heads, return_weights, ma
     def fn(h, q):
         return lmk_ops.attention_pool(h, mask, q, return_weights=return_weights)
 
-    assert torch.autograd.gradcheck(fn, (hidden, query))
-    assert torch.autograd.gradgradcheck(fn, (hidden, query))
+    # Forward mode through the reference too (slower: checked with the mask only).
+    assert torch.autograd.gradcheck(fn, (hidden, query), check_forward_ad=masked)
+    assert torch.autograd.gradgradcheck(fn, (hidden, query), check_fwd_over_rev=masked)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,5 +1,7 @@
 """Autograd for every op: backward calls the op's *_backward operator, and each backward is itself differentiable
-(double backward), so gradcheck, gradgradcheck and higher-order uses work.
+(double backward), so gradcheck, gradgradcheck and higher-order uses work. Each op also has a forward-mode rule
+(jvp: the linear ops run themselves on the tangent), which torch.func.jvp, jacfwd, hessian and
+torch.autograd.forward_ad take.
 
 The pooling ops fuse an optional L2 normalisation. Their backward first maps the gradient of the normalised output
 (and of the unnormalised second output) to the gradient of the pooled vector before normalising: [B, D]
@@ -33,9 +35,33 @@ def _pooled_grad(ctx, grad, grad_pooled):
     return through_out + grad_pooled if grad_pooled is not None else through_out
 
 
+def _save(ctx, *tensors):
+    """Saves tensors for the backward and for the forward-mode rule (jvp) alike: each reads ctx.saved_tensors."""
+    ctx.save_for_backward(*tensors)
+    ctx.save_for_forward(*tensors)
+
+
 def _save_normalized(ctx, normalize, pooled, *tensors):
     ctx.normalize = normalize
-    ctx.save_for_backward(*tensors, *((pooled,) if normalize else ()))
+    _save(ctx, *tensors, *((pooled,) if normalize else ()))
+
+
+def _empty_tangent(like, dtype):
+    """The tangent of an op's empty placeholder output ([0] in the accumulation type of dtype)."""
+    return like.new_zeros(0, dtype=accumulation_dtype(dtype))
+
+
+def _normalized_tangents(ctx, pooled_tangent, dtype):
+    """The tangents of (out, pooled) given that of the pooled vector m (in the accumulation type): out = m /
+    max(|m|, eps) moves by (t - y <y, t>) / |m| above eps (y = out), by t / eps at or below it; pooled (saved with
+    normalize, else empty) by t itself."""
+    if not ctx.normalize:
+        return pooled_tangent.to(dtype), _empty_tangent(pooled_tangent, dtype)
+    m = ctx.saved_tensors[-1]
+    n = torch.linalg.vector_norm(m, dim=1, keepdim=True)
+    y, t = m / n.clamp_min(_EPS), pooled_tangent.to(m.dtype)
+    through_out = torch.where(n > _EPS, (t - y * (y * t).sum(1, keepdim=True)) / n.clamp_min(_EPS), t / _EPS)
+    return through_out.to(dtype), t
 
 
 # mean_pool: d hidden[b, l] = grad[b] * mask[b, l] / count[b]. Saves only the mask (no activations).
@@ -56,16 +82,30 @@ def _mean_pool_backward(ctx, grad, grad_pooled):
     return call(ops.mean_pool_backward, pooled_grad, mask, ctx.seq_len, grad.dtype, cu_seqlens), None, None, None, None
 
 
+def _mean_pool_jvp(ctx, tangent, *_):
+    if tangent is None:
+        return None, None
+    mask, cu_seqlens = ctx.saved_tensors[:2]
+    # With normalize, the op's second output is the tangent's mean unrounded, as the rule needs it.
+    means = call(ops.mean_pool, tangent, mask, ctx.normalize, cu_seqlens)
+    return _normalized_tangents(ctx, means[1] if ctx.normalize else means[0], tangent.dtype)
+
+
 # mean_pool_backward is linear in grad_out, and its adjoint is mean pooling itself.
 # (With a dtype, the adjoint's result is cast back to grad_out's dtype by autograd.)
 def _mean_pool_backward_setup(ctx, inputs, output):
-    _, mask, _, _, cu_seqlens = inputs
-    ctx.save_for_backward(mask, cu_seqlens)
+    _, mask, ctx.seq_len, ctx.dtype, cu_seqlens = inputs
+    _save(ctx, mask, cu_seqlens)
 
 
 def _mean_pool_backward_backward(ctx, grad_grad_hidden):
     mask, cu_seqlens = ctx.saved_tensors
     return call(ops.mean_pool, grad_grad_hidden, mask, False, cu_seqlens)[0], None, None, None, None
+
+
+def _mean_pool_backward_jvp(ctx, tangent, *_):
+    mask, cu_seqlens = ctx.saved_tensors
+    return None if tangent is None else call(ops.mean_pool_backward, tangent, mask, ctx.seq_len, ctx.dtype, cu_seqlens)
 
 
 # max_pool: the gradient goes to the saved argmax position (int32, -1 for an empty row).
@@ -83,20 +123,41 @@ def _max_pool_backward(ctx, grad, _grad_argmax, grad_pooled):
     return call(ops.max_pool_backward, pooled_grad, argmax, ctx.seq_len, cu_seqlens), None, None, None, None
 
 
+def _at_argmax(values, argmax, cu_seqlens):
+    """values [B, L, D] (packed [T, D]) at each text's argmax [B, D], zero for an empty text."""
+    rows = values.shape[-2]
+    if rows == 0:
+        return values.new_zeros(argmax.shape)
+    index = argmax.clamp_min(0).long()
+    if cu_seqlens is not None:  # rows of the packed [T, D], from each text's start (an empty last text's is T)
+        gathered = values.gather(0, (index + cu_seqlens[:-1].long().unsqueeze(1)).clamp_max(rows - 1))
+    else:
+        gathered = values.gather(1, index.unsqueeze(1)).squeeze(1)
+    return gathered.masked_fill(argmax < 0, 0)
+
+
+def _max_pool_jvp(ctx, tangent, *_):
+    if tangent is None:
+        return None, None, None
+    argmax, cu_seqlens = ctx.saved_tensors[:2]
+    out, pooled = _normalized_tangents(ctx, _at_argmax(tangent, argmax, cu_seqlens), tangent.dtype)
+    return out, None, pooled
+
+
 # max_pool_backward scatters grad_out to the argmax rows; its adjoint gathers from them.
 def _max_pool_backward_setup(ctx, inputs, output):
-    _, argmax, _, cu_seqlens = inputs
-    ctx.save_for_backward(argmax, cu_seqlens)
+    _, argmax, ctx.seq_len, cu_seqlens = inputs
+    _save(ctx, argmax, cu_seqlens)
 
 
 def _max_pool_backward_backward(ctx, grad_grad_hidden):
     argmax, cu_seqlens = ctx.saved_tensors
-    index = argmax.clamp_min(0).long()
-    if cu_seqlens is not None:  # rows of the packed [T, D], from each text's start
-        gathered = grad_grad_hidden.gather(0, index + cu_seqlens[:-1].long().unsqueeze(1))
-    else:
-        gathered = grad_grad_hidden.gather(1, index.unsqueeze(1)).squeeze(1)
-    return gathered.masked_fill(argmax < 0, 0), None, None, None
+    return _at_argmax(grad_grad_hidden, argmax, cu_seqlens), None, None, None
+
+
+def _max_pool_backward_jvp(ctx, tangent, *_):
+    argmax, cu_seqlens = ctx.saved_tensors
+    return None if tangent is None else call(ops.max_pool_backward, tangent, argmax, ctx.seq_len, cu_seqlens)
 
 
 # landmark_mean: the mean over the landmark rows; as mean_pool, with the landmarks in place of the mask.
@@ -113,9 +174,17 @@ def _landmark_mean_backward(ctx, grad, grad_pooled):
     return grad_hidden, None, None, None, None
 
 
+def _landmark_mean_jvp(ctx, tangent, *_):
+    if tangent is None:
+        return None, None
+    landmarks, cu_seqlens = ctx.saved_tensors[:2]
+    means = call(ops.landmark_mean, tangent, landmarks, ctx.normalize, cu_seqlens)
+    return _normalized_tangents(ctx, means[1] if ctx.normalize else means[0], tangent.dtype)
+
+
 def _landmark_mean_backward_setup(ctx, inputs, output):
-    _, landmarks, _, _, cu_seqlens = inputs
-    ctx.save_for_backward(landmarks, cu_seqlens)
+    _, landmarks, ctx.seq_len, ctx.dtype, cu_seqlens = inputs
+    _save(ctx, landmarks, cu_seqlens)
 
 
 def _landmark_mean_backward_backward(ctx, grad_grad_hidden):
@@ -123,12 +192,19 @@ def _landmark_mean_backward_backward(ctx, grad_grad_hidden):
     return call(ops.landmark_mean, grad_grad_hidden, landmarks, False, cu_seqlens)[0], None, None, None, None
 
 
+def _landmark_mean_backward_jvp(ctx, tangent, *_):
+    landmarks, cu_seqlens = ctx.saved_tensors
+    if tangent is None:
+        return None
+    return call(ops.landmark_mean_backward, tangent, landmarks, ctx.seq_len, ctx.dtype, cu_seqlens)
+
+
 # landmark_gather copies rows out; its backward adds them back (summing repeated positions); each is the
 # other's adjoint.
 def _landmark_gather_setup(ctx, inputs, output):
     hidden, positions, cu_seqlens = inputs
     ctx.seq_len = _seq_len(hidden, cu_seqlens)
-    ctx.save_for_backward(positions, cu_seqlens)
+    _save(ctx, positions, cu_seqlens)
 
 
 def _landmark_gather_backward(ctx, grad):
@@ -136,9 +212,14 @@ def _landmark_gather_backward(ctx, grad):
     return call(ops.landmark_gather_backward, grad, positions, ctx.seq_len, cu_seqlens), None, None
 
 
+def _landmark_gather_jvp(ctx, tangent, *_):
+    positions, cu_seqlens = ctx.saved_tensors
+    return None if tangent is None else call(ops.landmark_gather, tangent, positions, cu_seqlens)
+
+
 def _landmark_gather_backward_setup(ctx, inputs, output):
-    _, positions, _, cu_seqlens = inputs
-    ctx.save_for_backward(positions, cu_seqlens)
+    _, positions, ctx.seq_len, cu_seqlens = inputs
+    _save(ctx, positions, cu_seqlens)
 
 
 def _landmark_gather_backward_backward(ctx, grad_grad_hidden):
@@ -146,18 +227,30 @@ def _landmark_gather_backward_backward(ctx, grad_grad_hidden):
     return call(ops.landmark_gather, grad_grad_hidden, positions, cu_seqlens), None, None, None
 
 
+def _landmark_gather_backward_jvp(ctx, tangent, *_):
+    positions, cu_seqlens = ctx.saved_tensors
+    return None if tangent is None else call(ops.landmark_gather_backward, tangent, positions, ctx.seq_len, cu_seqlens)
+
+
 # token_pool copies one row per text out: its backward is the gather's, at the positions it returns.
 def _token_pool_setup(ctx, inputs, output):
     hidden, _, _, cu_seqlens, _ = inputs
     ctx.seq_len = _seq_len(hidden, cu_seqlens)
     ctx.mark_non_differentiable(output[1])
-    ctx.save_for_backward(output[1], cu_seqlens)
+    _save(ctx, output[1], cu_seqlens)
 
 
 def _token_pool_backward(ctx, grad, _grad_positions):
     positions, cu_seqlens = ctx.saved_tensors
     grad_hidden = call(ops.landmark_gather_backward, grad.unsqueeze(1), positions, ctx.seq_len, cu_seqlens)
     return grad_hidden, None, None, None, None
+
+
+def _token_pool_jvp(ctx, tangent, *_):
+    positions, cu_seqlens = ctx.saved_tensors
+    if tangent is None:
+        return None, None
+    return call(ops.landmark_gather, tangent, positions, cu_seqlens).squeeze(1), None
 
 
 # attention_pool: the backward recomputes the probabilities from hidden, query and the saved softmax statistics
@@ -167,10 +260,10 @@ def _token_pool_backward(ctx, grad, _grad_positions):
 # (emb /= norm) was refused, where the other ops and the eager form allow it.
 def _attention_pool_setup(ctx, inputs, output):
     hidden, mask, query, scale, return_weights, cu_seqlens, max_seqlen = inputs
-    out, stats, _ = output
-    ctx.scale, ctx.return_weights, ctx.max_seqlen = scale, return_weights, max_seqlen
+    out, stats, weights = output
+    ctx.scale, ctx.return_weights, ctx.max_seqlen, ctx.weights_shape = scale, return_weights, max_seqlen, weights.shape
     ctx.mark_non_differentiable(stats)
-    ctx.save_for_backward(hidden, mask, query, out.detach().clone(), stats, cu_seqlens)
+    _save(ctx, hidden, mask, query, out.detach().clone(), stats, cu_seqlens)
 
 
 def _attention_pool_backward(ctx, grad, _grad_stats, grad_weights):
@@ -181,49 +274,91 @@ def _attention_pool_backward(ctx, grad, _grad_stats, grad_weights):
     return grad_hidden, None, grad_query, None, None, None, None
 
 
-# attention_pool_backward is not linear in its inputs, and its derivatives are needed only for double backward
-# (gradient penalties, Hessian-vector products): they run through the plain-PyTorch reference, recomputed in the
-# accumulation type. Correct rather than fused.
+# The derivatives of attention pooling beyond its fused backward (forward mode, double backward: gradient penalties,
+# Hessian-vector products) run through the plain-PyTorch reference in the accumulation type, by torch.func (whose
+# transforms refuse requires_grad_() and torch.autograd.grad). Correct rather than fused.
+def _reference_attention(ctx, mask, cu_seqlens):
+    """(hidden, query) -> (out, weights) by the reference, for the op's mask, offsets and scale."""
+    def forward(h, q):
+        return reference.attention_pool(h, mask, q, scale=ctx.scale, return_weights=True, cu_seqlens=cu_seqlens,
+                                        max_seqlen=ctx.max_seqlen)
+    return forward
+
+
+def _widened(tensors, like, hidden):
+    """tensors in hidden's accumulation type, zeros of like's shapes for those missing (None: no tangent)."""
+    wide = accumulation_dtype(hidden.dtype)
+    return tuple(torch.zeros_like(x, dtype=wide) if t is None else t.to(wide) for t, x in zip(tensors, like))
+
+
+def _jvp_by_vjps(f, primals, tangents):
+    """f's Jacobian at primals times tangents, by two reverse passes (u -> J^T u is linear, and its own pullback is
+    J): torch.func.jvp inside a forward-mode rule would nest forward mode, which PyTorch does not support."""
+    outputs, pullback = torch.func.vjp(f, *primals)
+    _, transposed = torch.func.vjp(lambda *u: pullback(u), *(torch.zeros_like(o) for o in outputs))
+    return transposed(tangents)
+
+
+def _attention_pool_jvp(ctx, hidden_tangent, _, query_tangent, *__):
+    hidden, mask, query, _, _, cu_seqlens = ctx.saved_tensors
+    primals = (hidden, query)
+    out, weights = _jvp_by_vjps(_reference_attention(ctx, mask, cu_seqlens), _widened(primals, primals, hidden),
+                                _widened((hidden_tangent, query_tangent), primals, hidden))
+    weights = weights.reshape(ctx.weights_shape) if ctx.return_weights else _empty_tangent(weights, hidden.dtype)
+    return out.to(hidden.dtype), None, weights
+
+
 def _attention_pool_backward_setup(ctx, inputs, output):
     grad, grad_weights, hidden, mask, query, _, _, scale, cu_seqlens, max_seqlen = inputs
     ctx.scale, ctx.has_grad_weights, ctx.max_seqlen = scale, grad_weights is not None, max_seqlen
-    ctx.save_for_backward(grad, grad_weights, hidden, mask, query, cu_seqlens)
+    _save(ctx, grad, grad_weights, hidden, mask, query, cu_seqlens)
+
+
+def _reference_attention_backward(ctx, mask, cu_seqlens):
+    """(grad, hidden, query[, grad_weights]) -> (grad_hidden, grad_query) by the reference: attention_pool_backward
+    as a function of the inputs that out and stats derive from."""
+    forward = _reference_attention(ctx, mask, cu_seqlens)
+
+    def backward(g, h, q, weights_grad=None):
+        (_, weights), pullback = torch.func.vjp(forward, h, q)
+        weights_grad = torch.zeros_like(weights) if weights_grad is None else weights_grad.reshape(weights.shape)
+        return pullback((g, weights_grad))
+    return backward
+
+
+def _attention_pool_backward_jvp(ctx, grad_tangent, grad_weights_tangent, hidden_tangent, _, query_tangent, *__):
+    grad, grad_weights, hidden, mask, query, cu_seqlens = ctx.saved_tensors
+    like = (grad, hidden, query, *((grad_weights,) if ctx.has_grad_weights else ()))
+    tangents = (grad_tangent, hidden_tangent, query_tangent, grad_weights_tangent)[:len(like)]
+    d_hidden, d_query = _jvp_by_vjps(_reference_attention_backward(ctx, mask, cu_seqlens), _widened(like, like, hidden),
+                                     _widened(tangents, like, hidden))
+    return d_hidden.to(hidden.dtype), d_query.to(query.dtype)
 
 
 def _attention_pool_backward_backward(ctx, grad_grad_hidden, grad_grad_query):
     grad, grad_weights, hidden, mask, query, cu_seqlens = ctx.saved_tensors
-    wide = accumulation_dtype(hidden.dtype)
-    leaves = [t.to(wide) for t in (grad, hidden, query)]
-    if ctx.has_grad_weights:
-        leaves.append(grad_weights.to(wide))
-
-    def backward(g, h, q, weights_grad=None):  # attention_pool_backward, by the reference's autograd
-        def forward(h, q):
-            return reference.attention_pool(h, mask, q, scale=ctx.scale, return_weights=True, cu_seqlens=cu_seqlens,
-                                            max_seqlen=ctx.max_seqlen)
-        (_, weights), pullback = torch.func.vjp(forward, h, q)
-        weights_grad = torch.zeros_like(weights) if weights_grad is None else weights_grad.reshape(weights.shape)
-        return pullback((g, weights_grad))
-
-    # torch.func.vjp rather than requires_grad_() and torch.autograd.grad, which torch.func's transforms refuse.
-    _, pullback = torch.func.vjp(backward, *leaves)
-    found = pullback((grad_grad_hidden.to(wide), grad_grad_query.to(wide)))
+    like = (grad, hidden, query, *((grad_weights,) if ctx.has_grad_weights else ()))
+    _, pullback = torch.func.vjp(_reference_attention_backward(ctx, mask, cu_seqlens), *_widened(like, like, hidden))
+    found = pullback(_widened((grad_grad_hidden, grad_grad_query), (hidden, query), hidden))
     d_grad, d_hidden, d_query = (f.to(t.dtype) for f, t in zip(found[:3], (grad, hidden, query)))
     d_grad_weights = found[3].to(grad_weights.dtype) if ctx.has_grad_weights else None
     return d_grad, d_grad_weights, d_hidden, None, d_query, None, None, None, None, None
 
 
-for _name, _backward, _setup in [
-    ("mean_pool", _mean_pool_backward, _mean_pool_setup),
-    ("mean_pool_backward", _mean_pool_backward_backward, _mean_pool_backward_setup),
-    ("max_pool", _max_pool_backward, _max_pool_setup),
-    ("max_pool_backward", _max_pool_backward_backward, _max_pool_backward_setup),
-    ("landmark_mean", _landmark_mean_backward, _landmark_mean_setup),
-    ("landmark_mean_backward", _landmark_mean_backward_backward, _landmark_mean_backward_setup),
-    ("landmark_gather", _landmark_gather_backward, _landmark_gather_setup),
-    ("landmark_gather_backward", _landmark_gather_backward_backward, _landmark_gather_backward_setup),
-    ("token_pool", _token_pool_backward, _token_pool_setup),
-    ("attention_pool", _attention_pool_backward, _attention_pool_setup),
-    ("attention_pool_backward", _attention_pool_backward_backward, _attention_pool_backward_setup),
+for _name, _backward, _setup, _jvp in [
+    ("mean_pool", _mean_pool_backward, _mean_pool_setup, _mean_pool_jvp),
+    ("mean_pool_backward", _mean_pool_backward_backward, _mean_pool_backward_setup, _mean_pool_backward_jvp),
+    ("max_pool", _max_pool_backward, _max_pool_setup, _max_pool_jvp),
+    ("max_pool_backward", _max_pool_backward_backward, _max_pool_backward_setup, _max_pool_backward_jvp),
+    ("landmark_mean", _landmark_mean_backward, _landmark_mean_setup, _landmark_mean_jvp),
+    ("landmark_mean_backward", _landmark_mean_backward_backward, _landmark_mean_backward_setup,
+     _landmark_mean_backward_jvp),
+    ("landmark_gather", _landmark_gather_backward, _landmark_gather_setup, _landmark_gather_jvp),
+    ("landmark_gather_backward", _landmark_gather_backward_backward, _landmark_gather_backward_setup,
+     _landmark_gather_backward_jvp),
+    ("token_pool", _token_pool_backward, _token_pool_setup, _token_pool_jvp),
+    ("attention_pool", _attention_pool_backward, _attention_pool_setup, _attention_pool_jvp),
+    ("attention_pool_backward", _attention_pool_backward_backward, _attention_pool_backward_setup,
+     _attention_pool_backward_jvp),
 ]:
-    register_autograd(_name, _backward, _setup)
+    register_autograd(_name, _backward, _setup, _jvp)

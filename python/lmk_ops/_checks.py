@@ -12,7 +12,6 @@ import numbers
 from typing import NoReturn
 
 import torch
-import torch.autograd.forward_ad as _forward_ad
 from torch._subclasses.fake_tensor import FakeTensor
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -103,31 +102,11 @@ def call_problem(hidden, max_seqlen, others: dict) -> str | None:
     return None
 
 
-def check_modes(op: str, hidden, others: dict) -> None:
-    """Refuses forward-mode differentiation, which the ops do not support and which would otherwise give silently
-    wrong (zero) tangents. Reverse mode works, through torch.func's transforms (grad, vjp, jacrev) too, and so does
-    torch.vmap. Two cheap tests decide the usual call (no dual level, no transform)."""
-    if _forward_ad.__dict__.get("_current_level", -1) >= 0 and any(
-            _forward_ad.unpack_dual(t).tangent is not None for t in (hidden, *others.values())
-            if isinstance(t, torch.Tensor)):
-        fail(op, "forward-mode AD is not supported (torch.autograd.forward_ad, torch.func.jvp, jacfwd); use "
-             "reverse mode (torch.autograd.grad, .backward())")
-    if torch._C._functorch.peek_interpreter_stack() is None:
-        return
-    transforms = {i.key() for i in torch._C._functorch.get_interpreter_stack() or ()}
-    if torch._C._functorch.TransformType.Jvp in transforms:
-        fail(op, "forward-mode AD is not supported (torch.func.jvp, jacfwd, hessian); use reverse mode "
-             "(torch.autograd.grad, .backward())")
-
-
 def check_call(op: str, hidden, *, max_seqlen=None, **others) -> None:
-    """Everything a public function checks before calling an op: call_problem, then (outside torch.compile, whose
-    tracing sees no dual tensors or transforms) check_modes."""
+    """Everything a public function checks before calling an op (call_problem)."""
     problem = call_problem(hidden, max_seqlen, others)
     if problem is not None:
         fail(op, problem)
-    if not torch.compiler.is_compiling():
-        check_modes(op, hidden, others)
 
 
 def check_hidden(op: str, hidden: torch.Tensor, max_seqlen=None) -> None:

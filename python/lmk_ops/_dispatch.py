@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 # Per op (its OpOverloadPacket): a torch.autograd.Function with the op's own setup_context and backward, and the
@@ -10,10 +11,11 @@ from torch import Tensor
 _functions: dict = {}
 
 
-def register_autograd(name: str, backward, setup_context) -> None:
-    """Registers the autograd of op lmk_ops::name, as one setup_context and one backward, on both routes: with the
-    dispatcher (torch.library.register_autograd; dynamo, torch.func and direct torch.ops calls take it), and as the
-    torch.autograd.Function through which call() differentiates the op in eager mode. The dispatcher's route runs
+def register_autograd(name: str, backward, setup_context, jvp) -> None:
+    """Registers the autograd of op lmk_ops::name, as one setup_context, one backward and one forward-mode rule
+    (jvp), on three routes: with the dispatcher (torch.library.register_autograd, backward only; dynamo and direct
+    torch.ops calls take it), as the torch.autograd.Function through which call() differentiates the op in eager
+    mode, and as the one it takes inside torch.func's transforms and forward-mode AD. The dispatcher's route runs
     them through a Python wrapper that redispatches the op and fills its defaults: about 25 µs more per small
     forward+backward (a 4x16x384 mean pooling: 84 against 60 µs)."""
     torch.library.register_autograd(f"lmk_ops::{name}", backward, setup_context=setup_context)
@@ -31,10 +33,10 @@ def register_autograd(name: str, backward, setup_context) -> None:
     function = type(op.__name__.replace("lmk_ops.", ""), (torch.autograd.Function,), {
         "forward": staticmethod(forward), "backward": staticmethod(backward)})
     # torch.func's transforms need a Function with a separate setup_context (and, under torch.vmap, a vmap rule:
-    # generated, from the ops' own rules).
+    # generated, from the ops' own rules); forward mode, its jvp.
     transformable = type(op.__name__.replace("lmk_ops.", ""), (torch.autograd.Function,), {
         "forward": staticmethod(op), "setup_context": staticmethod(setup_context),
-        "backward": staticmethod(backward), "generate_vmap_rule": True})
+        "backward": staticmethod(backward), "jvp": staticmethod(jvp), "generate_vmap_rule": True})
     _functions[op] = (function, transformable, defaults)
 
 
@@ -44,11 +46,18 @@ def call(op, *args):
     pooling's time: inference on a short query, first-token pooling). The backward functions call the backward ops
     through here too, so a double backward (create_graph) is recorded the same way. While compiling (dynamo traces the
     plain call) or under torch.jit.trace (which would record the Function as a Python op that it can neither check
-    nor save), the op is called as it is; inside torch.func transforms, through the Function that they can take
-    (torch.library.register_autograd's, which a plain call would reach, has no setup_context, and they refuse it)."""
+    nor save), the op is called as it is; inside torch.func transforms or a forward-mode dual level, through the
+    Function that they can take (with a jvp, and a setup_context apart from forward: torch.library.
+    register_autograd's, which a plain call would reach, has neither, and the transforms refuse it)."""
     if torch.compiler.is_compiling() or torch._C._is_tracing():
+        if _forward_ad._current_level >= 0:
+            # The dispatcher's route has no forward-mode rule: traced, the op's tangents would come out zero. Raised
+            # while dynamo traces (torch.compile over torch.func.jvp), this makes it run the frame eagerly, through
+            # the ops' rules; with fullgraph=True the compile fails with this message.
+            raise RuntimeError(f"{op}: forward-mode AD (torch.func.jvp, jacfwd, hessian) runs eagerly, not inside "
+                               "torch.compile(fullgraph=True) or torch.jit.trace")
         return op(*args)
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if torch._C._functorch.peek_interpreter_stack() is not None or _forward_ad._current_level >= 0:
         _, transformable, defaults = _functions[op]
         return transformable.apply(*args, *defaults[len(args):])
     if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):

@@ -8,7 +8,7 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
-from ._checks import call_problem, check_call, check_flag, check_hidden, check_landmarks, check_mask, check_modes
+from ._checks import call_problem, check_call, check_flag, check_hidden, check_landmarks, check_mask
 from ._checks import check_offsets, check_packed, check_packed_mask, check_scale_type, fail, is_integer, values_known
 from ._dispatch import call as _call
 
@@ -130,16 +130,15 @@ def landmark_mean(hidden: Tensor, landmarks: Tensor, *, normalize: bool = False,
 
 def _checked_call(name: str, op, args: tuple, **others):
     """op(*args) for the public function `name` (args: hidden first, max_seqlen last; others: the other tensor
-    arguments by name), with check_call's checks: all of them first while compiling (the fake kernels see the
-    inputs first), and the differentiation modes always; otherwise the structural ones (call_problem) once the op
-    has failed, to turn the dispatcher's unclear error for a list, a nested or a sparse tensor into an lmk_ops one.
+    arguments by name), with check_call's checks: first while compiling (the fake kernels see the inputs first),
+    otherwise once the op has failed, to turn the dispatcher's unclear error for a list, a nested or a sparse tensor
+    into an lmk_ops one.
     Taken first, they cost a small call a third of its time (first_token_pool of one row: 17 -> 12 µs)."""
     hidden, max_seqlen = args[0], args[-1]
     # A max_seqlen that is not a plain int (a bool or a float would pass the dispatcher) is checked first too.
     if torch.compiler.is_compiling() or (max_seqlen is not None and type(max_seqlen) is not int):
         check_call(name, hidden, max_seqlen=max_seqlen, **others)
         return _call(op, *args)
-    check_modes(name, hidden, others)
     try:
         return _call(op, *args)
     except (TypeError, NotImplementedError, RuntimeError):

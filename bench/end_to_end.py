@@ -19,7 +19,7 @@ import sys
 import torch
 import torch.nn.functional as F
 # The path every sentence-transformers release keeps (5.x, where a GPU machine may be, and 6.x).
-from sentence_transformers.models import Pooling as StPooling
+from sentence_transformers.sentence_transformer.modules import Pooling as StPooling
 from transformers import BertConfig, BertModel
 
 import lmk_ops

@@ -52,7 +52,7 @@ def flattened(features, dtype=None):
 
 def st_pool(mode, features):
     dim = features["token_embeddings"].shape[-1]
-    from sentence_transformers.models import Pooling
+    from sentence_transformers.sentence_transformer.modules import Pooling
 
     pooling = Pooling(dim, pooling_mode=mode)
     return pooling({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in features.items()})[

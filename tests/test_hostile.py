@@ -380,6 +380,24 @@ def test_forward_mode_gives_the_jacobians_tangents(op):
                                torch.autograd.functional.hessian(lambda x: fn(x).square().sum(), h))
 
 
+@pytest.mark.parametrize("mode", ["mean", "max", "cls", "last", "lmk", "mean_sqrt_len_tokens", "weightedmean",
+                                  "attention"])
+def test_torch_func_through_the_pooling_modules(mode):
+    # The modules' own arithmetic around the ops (weightedmean's weights, mean_sqrt_len_tokens' scale) included.
+    pooling = lmk_ops.nn.Pooling(mode, **({"dim": 4, "heads": 2} if mode == "attention" else {})).double()
+    if mode == "attention":
+        torch.nn.init.normal_(pooling.attention.query, generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    batch = {"attention_mask": mask, "landmark_mask": torch.tensor([[0, 1, 1], [1, 0, 0]]).bool()}
+
+    def fn(h):
+        return pooling(h, batch)
+
+    jacobian = torch.autograd.functional.jacobian(fn, _h())
+    assert torch.equal(torch.func.jacrev(fn)(_h()), jacobian)
+    torch.testing.assert_close(torch.func.jacfwd(fn)(_h()), jacobian)
+
+
 def test_forward_mode_inside_torch_compile_runs_eagerly_or_fails_clearly():
     # Traced by dynamo, the ops have no forward-mode rule (PyTorch's custom-op route has none) and their tangents
     # would come out zero: call() makes dynamo run such a frame eagerly, and fullgraph=True fail with a message.

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from . import ops
 from ._checks import check_call, check_scale_type, is_flag, is_integer, values_known
+from ._dispatch import call
 
 __all__ = ["AttentionPooling", "Pooling"]
 
@@ -292,7 +293,7 @@ def _valid_counts(hidden: Tensor, mask: Tensor | None, packed: dict) -> Tensor:
 def _mean_sqrt_len(hidden: Tensor, mask: Tensor | None, packed: dict) -> Tensor:
     """sum / sqrt(count) = mean * sqrt(count), from the op's unrounded mean (its second output with normalize),
     rounded once."""
-    mean = torch.ops.lmk_ops.mean_pool(hidden, mask, True, packed.get("cu_seqlens"), packed.get("max_seqlen"))[1]
+    mean = call(torch.ops.lmk_ops.mean_pool, hidden, mask, True, packed.get("cu_seqlens"), packed.get("max_seqlen"))[1]
     counts = _valid_counts(hidden, mask, packed).to(mean.dtype).unsqueeze(1)
     return (mean * counts.sqrt()).to(hidden.dtype)
 

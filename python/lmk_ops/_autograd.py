@@ -82,13 +82,16 @@ def _mean_pool_backward(ctx, grad, grad_pooled):
     return call(ops.mean_pool_backward, pooled_grad, mask, ctx.seq_len, grad.dtype, cu_seqlens), None, None, None, None
 
 
-def _mean_pool_jvp(ctx, tangent, *_):
-    if tangent is None:
-        return None, None
-    mask, cu_seqlens = ctx.saved_tensors[:2]
-    # With normalize, the op's second output is the tangent's mean unrounded, as the rule needs it.
-    means = call(ops.mean_pool, tangent, mask, ctx.normalize, cu_seqlens)
-    return _normalized_tangents(ctx, means[1] if ctx.normalize else means[0], tangent.dtype)
+# The forward-mode rules get one tangent per input; hidden (a backward op's grad_out) is the one input of these ops
+# that can carry one (the attention rules take hidden's and the query's), so it is never None.
+def _mean_jvp(op):
+    """The forward-mode rule of a mean (mean_pool, landmark_mean): the op itself on the tangent. With normalize, its
+    second output is the tangent's mean unrounded, as the normalisation's rule needs it."""
+    def jvp(ctx, tangent, *_):
+        rows, cu_seqlens = ctx.saved_tensors[:2]
+        means = call(op, tangent, rows, ctx.normalize, cu_seqlens)
+        return _normalized_tangents(ctx, means[1] if ctx.normalize else means[0], tangent.dtype)
+    return jvp
 
 
 # mean_pool_backward is linear in grad_out, and its adjoint is mean pooling itself.
@@ -105,7 +108,7 @@ def _mean_pool_backward_backward(ctx, grad_grad_hidden):
 
 def _mean_pool_backward_jvp(ctx, tangent, *_):
     mask, cu_seqlens = ctx.saved_tensors
-    return None if tangent is None else call(ops.mean_pool_backward, tangent, mask, ctx.seq_len, ctx.dtype, cu_seqlens)
+    return call(ops.mean_pool_backward, tangent, mask, ctx.seq_len, ctx.dtype, cu_seqlens)
 
 
 # max_pool: the gradient goes to the saved argmax position (int32, -1 for an empty row).
@@ -137,8 +140,6 @@ def _at_argmax(values, argmax, cu_seqlens):
 
 
 def _max_pool_jvp(ctx, tangent, *_):
-    if tangent is None:
-        return None, None, None
     argmax, cu_seqlens = ctx.saved_tensors[:2]
     out, pooled = _normalized_tangents(ctx, _at_argmax(tangent, argmax, cu_seqlens), tangent.dtype)
     return out, None, pooled
@@ -157,7 +158,7 @@ def _max_pool_backward_backward(ctx, grad_grad_hidden):
 
 def _max_pool_backward_jvp(ctx, tangent, *_):
     argmax, cu_seqlens = ctx.saved_tensors
-    return None if tangent is None else call(ops.max_pool_backward, tangent, argmax, ctx.seq_len, cu_seqlens)
+    return call(ops.max_pool_backward, tangent, argmax, ctx.seq_len, cu_seqlens)
 
 
 # landmark_mean: the mean over the landmark rows; as mean_pool, with the landmarks in place of the mask.
@@ -174,14 +175,6 @@ def _landmark_mean_backward(ctx, grad, grad_pooled):
     return grad_hidden, None, None, None, None
 
 
-def _landmark_mean_jvp(ctx, tangent, *_):
-    if tangent is None:
-        return None, None
-    landmarks, cu_seqlens = ctx.saved_tensors[:2]
-    means = call(ops.landmark_mean, tangent, landmarks, ctx.normalize, cu_seqlens)
-    return _normalized_tangents(ctx, means[1] if ctx.normalize else means[0], tangent.dtype)
-
-
 def _landmark_mean_backward_setup(ctx, inputs, output):
     _, landmarks, ctx.seq_len, ctx.dtype, cu_seqlens = inputs
     _save(ctx, landmarks, cu_seqlens)
@@ -194,8 +187,6 @@ def _landmark_mean_backward_backward(ctx, grad_grad_hidden):
 
 def _landmark_mean_backward_jvp(ctx, tangent, *_):
     landmarks, cu_seqlens = ctx.saved_tensors
-    if tangent is None:
-        return None
     return call(ops.landmark_mean_backward, tangent, landmarks, ctx.seq_len, ctx.dtype, cu_seqlens)
 
 
@@ -214,7 +205,7 @@ def _landmark_gather_backward(ctx, grad):
 
 def _landmark_gather_jvp(ctx, tangent, *_):
     positions, cu_seqlens = ctx.saved_tensors
-    return None if tangent is None else call(ops.landmark_gather, tangent, positions, cu_seqlens)
+    return call(ops.landmark_gather, tangent, positions, cu_seqlens)
 
 
 def _landmark_gather_backward_setup(ctx, inputs, output):
@@ -229,7 +220,7 @@ def _landmark_gather_backward_backward(ctx, grad_grad_hidden):
 
 def _landmark_gather_backward_jvp(ctx, tangent, *_):
     positions, cu_seqlens = ctx.saved_tensors
-    return None if tangent is None else call(ops.landmark_gather_backward, tangent, positions, ctx.seq_len, cu_seqlens)
+    return call(ops.landmark_gather_backward, tangent, positions, ctx.seq_len, cu_seqlens)
 
 
 # token_pool copies one row per text out: its backward is the gather's, at the positions it returns.
@@ -248,8 +239,6 @@ def _token_pool_backward(ctx, grad, _grad_positions):
 
 def _token_pool_jvp(ctx, tangent, *_):
     positions, cu_seqlens = ctx.saved_tensors
-    if tangent is None:
-        return None, None
     return call(ops.landmark_gather, tangent, positions, cu_seqlens).squeeze(1), None
 
 
@@ -346,11 +335,11 @@ def _attention_pool_backward_backward(ctx, grad_grad_hidden, grad_grad_query):
 
 
 for _name, _backward, _setup, _jvp in [
-    ("mean_pool", _mean_pool_backward, _mean_pool_setup, _mean_pool_jvp),
+    ("mean_pool", _mean_pool_backward, _mean_pool_setup, _mean_jvp(ops.mean_pool)),
     ("mean_pool_backward", _mean_pool_backward_backward, _mean_pool_backward_setup, _mean_pool_backward_jvp),
     ("max_pool", _max_pool_backward, _max_pool_setup, _max_pool_jvp),
     ("max_pool_backward", _max_pool_backward_backward, _max_pool_backward_setup, _max_pool_backward_jvp),
-    ("landmark_mean", _landmark_mean_backward, _landmark_mean_setup, _landmark_mean_jvp),
+    ("landmark_mean", _landmark_mean_backward, _landmark_mean_setup, _mean_jvp(ops.landmark_mean)),
     ("landmark_mean_backward", _landmark_mean_backward_backward, _landmark_mean_backward_setup,
      _landmark_mean_backward_jvp),
     ("landmark_gather", _landmark_gather_backward, _landmark_gather_setup, _landmark_gather_jvp),

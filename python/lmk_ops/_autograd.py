@@ -303,15 +303,30 @@ def _attention_pool_backward_setup(ctx, inputs, output):
     _save(ctx, grad, grad_weights, hidden, mask, query, cu_seqlens)
 
 
+def _vjp(f, primals, cotangents, *, leaves=False):
+    """The vector-Jacobian product of f (a tuple of tensors) at primals: by torch.func.vjp inside torch.func's
+    transforms (which refuse requires_grad_()), else by torch.autograd.grad (torch 2.10's AOT tracing with dynamic
+    shapes, as opcheck runs it, hit an internal assert in index_select's backward under torch.func.vjp), on detached
+    copies of the primals as leaves, or with leaves=True on the primals themselves (the leaves of an enclosing _vjp,
+    which differentiates the result)."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return torch.func.vjp(f, *primals)[1](cotangents)
+    with torch.enable_grad():
+        inputs = primals if leaves else [p.detach().requires_grad_() for p in primals]
+        return torch.autograd.grad(f(*inputs), inputs, cotangents, create_graph=leaves, allow_unused=True,
+                                   materialize_grads=True)
+
+
 def _reference_attention_backward(ctx, mask, cu_seqlens):
     """(grad, hidden, query[, grad_weights]) -> (grad_hidden, grad_query) by the reference: attention_pool_backward
     as a function of the inputs that out and stats derive from."""
     forward = _reference_attention(ctx, mask, cu_seqlens)
 
     def backward(g, h, q, weights_grad=None):
-        (_, weights), pullback = torch.func.vjp(forward, h, q)
-        weights_grad = torch.zeros_like(weights) if weights_grad is None else weights_grad.reshape(weights.shape)
-        return pullback((g, weights_grad))
+        def outputs(h, q):  # out, and the weights in the op's shape where their gradient is given
+            out, weights = forward(h, q)
+            return (out,) if weights_grad is None else (out, weights.reshape(weights_grad.shape))
+        return _vjp(outputs, (h, q), (g,) if weights_grad is None else (g, weights_grad), leaves=True)
     return backward
 
 
@@ -327,8 +342,8 @@ def _attention_pool_backward_jvp(ctx, grad_tangent, grad_weights_tangent, hidden
 def _attention_pool_backward_backward(ctx, grad_grad_hidden, grad_grad_query):
     grad, grad_weights, hidden, mask, query, cu_seqlens = ctx.saved_tensors
     like = (grad, hidden, query, *((grad_weights,) if ctx.has_grad_weights else ()))
-    _, pullback = torch.func.vjp(_reference_attention_backward(ctx, mask, cu_seqlens), *_widened(like, like, hidden))
-    found = pullback(_widened((grad_grad_hidden, grad_grad_query), (hidden, query), hidden))
+    found = _vjp(_reference_attention_backward(ctx, mask, cu_seqlens), _widened(like, like, hidden),
+                 _widened((grad_grad_hidden, grad_grad_query), (hidden, query), hidden))
     d_grad, d_hidden, d_query = (f.to(t.dtype) for f, t in zip(found[:3], (grad, hidden, query)))
     d_grad_weights = found[3].to(grad_weights.dtype) if ctx.has_grad_weights else None
     return d_grad, d_grad_weights, d_hidden, None, d_query, None, None, None, None, None

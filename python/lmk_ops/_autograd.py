@@ -264,8 +264,8 @@ def _attention_pool_backward(ctx, grad, _grad_stats, grad_weights):
 
 
 # The derivatives of attention pooling beyond its fused backward (forward mode, double backward: gradient penalties,
-# Hessian-vector products) run through the plain-PyTorch reference in the accumulation type, by torch.func (whose
-# transforms refuse requires_grad_() and torch.autograd.grad). Correct rather than fused.
+# Hessian-vector products) run through the plain-PyTorch reference in the accumulation type: by torch.func inside its
+# transforms and in the forward-mode rules, by torch.autograd.grad otherwise (_vjp). Correct rather than fused.
 def _reference_attention(ctx, mask, cu_seqlens):
     """(hidden, query) -> (out, weights) by the reference, for the op's mask, offsets and scale."""
     def forward(h, q):

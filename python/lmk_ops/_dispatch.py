@@ -6,8 +6,9 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
-# Per op (its OpOverloadPacket): a torch.autograd.Function with the op's own setup_context and backward, and the
-# schema's defaults for the arguments a call leaves out (register_autograd below).
+# Per op (its OpOverloadPacket): the torch.autograd.Function of eager calls and the one torch.func's transforms and
+# forward mode take, both with the op's own setup_context and backward, and the schema's defaults for the arguments
+# a call leaves out (register_autograd below).
 _functions: dict = {}
 
 

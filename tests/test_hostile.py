@@ -4,6 +4,7 @@ each pinned by a test. Runs in CI (CPU); the CUDA cases of the ops' own suites c
 from __future__ import annotations
 
 import contextlib
+import decimal
 import math
 import os
 import subprocess
@@ -263,6 +264,35 @@ def test_attention_gradient_over_values_near_the_float64_maximum(heads, length):
     assert ((grad_q - exact_q)[finite].abs() <= 1e-12 * terms_q[finite]).all()
 
 
+def test_float64_normalize_is_within_an_ulp_of_the_exact_unit_vector():
+    # A float64 sum of D float64 squares drifts with D: these rows' unit vectors were up to 5.7 ulp off the exact
+    # ones (F.normalize: 1.2). The max is exact, so what is left is normalize's own error: the host loop's (sums in
+    # the x87 extended type) 0.5, or in a CPU-twin build the device-generic path's (torch's float64 sum, as CUDA's)
+    # 1.1.
+    limit = 1.25 if lmk_ops.build_info()["cpu_twin"] else 0.75
+    decimal.getcontext().prec = 60
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4, 5, 768, generator=gen, dtype=torch.float64) + 3
+    got = lmk_ops.max_pool(hidden, normalize=True)
+    for pooled, row in zip(hidden.amax(1).tolist(), got.tolist()):
+        exact = [decimal.Decimal(x) for x in pooled]
+        norm = sum(x * x for x in exact).sqrt()
+        assert max(abs(decimal.Decimal(g) - x / norm) / decimal.Decimal(math.ulp(g)) for g, x in zip(row, exact)) <= limit
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_normalize_of_a_pooled_row_with_a_nan_is_all_nan_as_in_f_normalize(device, dtype):
+    # The host loop (and the device-generic path's float64 rows) divided such a row by eps (its norm is NaN, which
+    # failed "norm > eps"): finite features came out as 1e12 times themselves, where F.normalize gives NaN throughout.
+    hidden = torch.ones(2, 3, 4, device=device, dtype=dtype)
+    hidden[0, 1, 2] = math.nan
+    for op in (lmk_ops.mean_pool, lmk_ops.max_pool):
+        out = op(hidden, normalize=True).cpu()
+        assert out[0].isnan().all(), op.__name__
+        assert torch.equal(out[1], torch.full((4,), 0.5, dtype=dtype)), op.__name__
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("scale", [1e-30, 1e30])
@@ -281,6 +311,31 @@ def test_normalize_gives_unit_vectors_where_the_norm_leaves_the_dtype_range(devi
         out = out.cpu()
         assert out.isfinite().all()
         assert torch.allclose(out.double(), exact, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype, scale", [(torch.float32, 1e30), (torch.bfloat16, 1e20), (torch.float64, 1e200)])
+def test_normalize_gradients_hold_where_the_pooled_norm_leaves_the_dtype_range(device, dtype, scale):
+    # The backward and the forward-mode rule took |m| in m's own type: past 1.8e19 in float32 (1.3e154 in float64)
+    # the squares overflowed, |m| was inf and the gradient silently zero, where the forward gives unit vectors. The
+    # exact gradient is that of the same vectors shrunk by the scale (normalize ignores it), shrunk once more.
+    gen = torch.Generator().manual_seed(0)
+    hidden = ((torch.randn(2, 3, 8, generator=gen, dtype=torch.float64) + 2) * scale).to(dtype)
+    grad = torch.randn(2, 8, generator=gen, dtype=torch.float64)
+    tangent = torch.randn(2, 3, 8, generator=gen, dtype=torch.float64)
+    for op, pool in ((lmk_ops.mean_pool, lambda x: x.mean(1)), (lmk_ops.max_pool, lambda x: x.amax(1))):
+        shrunk = (hidden.double() / scale).requires_grad_()
+        exact = torch.nn.functional.normalize(pool(shrunk), dim=-1)
+        exact_grad, = torch.autograd.grad(exact, shrunk, grad)
+        exact_tangent = torch.func.jvp(lambda x: torch.nn.functional.normalize(pool(x), dim=-1), (shrunk.detach(),),
+                                       (tangent,))[1]
+        x = hidden.to(device).requires_grad_()
+        got_grad, = torch.autograd.grad(op(x, normalize=True), x, grad.to(device, dtype))
+        got_tangent = torch.func.jvp(lambda h: op(h, normalize=True), (hidden.to(device),),
+                                     (tangent.to(device, dtype),))[1]
+        tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-6
+        assert torch.allclose(got_grad.double().cpu() * scale, exact_grad, rtol=tolerance, atol=tolerance), op
+        assert torch.allclose(got_tangent.double().cpu() * scale, exact_tangent, rtol=tolerance, atol=tolerance), op
 
 
 def test_a_failed_allocation_says_what_torch_said_and_what_lmk_ops_was_doing():

@@ -17,6 +17,8 @@ bool is_empty_pool(const Tensor& hidden) {
 
 // The divisor's floor in normalize, as torch.nn.functional.normalize's eps.
 constexpr double kNormEps = 1e-12;
+// The least work, in elements, worth a thread in normalize's host loop (as the kernels' kMinParallelWork).
+constexpr int64_t kMinNormalizeWork = int64_t{1} << 15;
 
 std::tuple<Tensor, Tensor> finish_pooled(const Tensor& pooled, ScalarType dtype, bool normalize) {
   if (!normalize) {
@@ -28,37 +30,53 @@ std::tuple<Tensor, Tensor> finish_pooled(const Tensor& pooled, ScalarType dtype,
     Tensor out = empty_on(wide, {batch, dim}, dtype);
     LMK_DISPATCH_FLOATING(dtype, "normalize", [&] {
       using acc = acc_t<scalar_t>;
+      // The squares, their sum and the quotients in float64, and for float64 rows in the x87 extended type (as the
+      // kernels' wide_t; a float64 sum of 768 float64 squares drifted, its unit vectors up to 5.7 ulp off the
+      // exact ones, F.normalize's 1.2). Either type holds every square and sum of squares of the rows' values
+      // (float32's squared, float64's squared), so no row needs scaling to keep its norm finite and nonzero.
+      using wide_sum = std::conditional_t<std::is_same_v<scalar_t, double>, long double, double>;
+      using wide_limits = std::numeric_limits<wide_sum>;
+      using acc_limits = std::numeric_limits<acc>;
+      static_assert(wide_limits::max_exponent >= 2 * acc_limits::max_exponent + 64 &&
+                        wide_limits::min_exponent <= 2 * (acc_limits::min_exponent - acc_limits::digits),
+                    "normalize needs a type whose range holds the squares of the rows' values (x87 long double)");
       const acc* w = wide.const_data_ptr<acc>();
       scalar_t* o = out.mutable_data_ptr<scalar_t>();
-      for (int64_t b = 0; b < batch; ++b) {
-        const acc* row = w + b * dim;
-        // The norm in float64, of the row scaled by a power of two near its largest magnitude (clamped to keep
-        // the factor a finite double): no square overflows or underflows whatever the dtype, and the scaling is
-        // exact, so it changes no bit otherwise.
-        double largest = 0;
-        for (int64_t d = 0; d < dim; ++d) {
-          largest = std::max(largest, std::abs(static_cast<double>(row[d])));
+      torch::stable::parallel_for(0, batch, std::max<int64_t>(1, kMinNormalizeWork / dim), [&](int64_t first,
+                                                                                                int64_t last) {
+        for (int64_t b = first; b < last; ++b) {
+          const acc* row = w + b * dim;
+          // Four running sums, d % 4, added pairwise: a fixed order that one chain of dependent additions would
+          // make four times slower.
+          wide_sum sums[4] = {0, 0, 0, 0};
+          int64_t d = 0;
+          for (; d + 4 <= dim; d += 4) {
+            for (int k = 0; k < 4; ++k) {
+              const wide_sum x = static_cast<wide_sum>(row[d + k]);
+              sums[k] += x * x;
+            }
+          }
+          for (; d < dim; ++d) {
+            const wide_sum x = static_cast<wide_sum>(row[d]);
+            sums[d % 4] += x * x;
+          }
+          const wide_sum norm = std::sqrt((sums[0] + sums[1]) + (sums[2] + sums[3]));
+          // out = row / max(norm, eps), as F.normalize: above eps (or NaN, which makes every feature NaN, as in
+          // F.normalize) as the product by the norm's reciprocal in the wide type (two roundings far below the
+          // dtype's), below it divided by eps as F.normalize divides.
+          scalar_t* out_row = o + b * dim;
+          if (!(norm <= wide_sum(kNormEps))) {
+            const wide_sum inverse = wide_sum(1) / norm;
+            for (d = 0; d < dim; ++d) {
+              out_row[d] = static_cast<scalar_t>(static_cast<wide_sum>(row[d]) * inverse);
+            }
+          } else {
+            for (d = 0; d < dim; ++d) {
+              out_row[d] = static_cast<scalar_t>(static_cast<double>(row[d]) / kNormEps);
+            }
+          }
         }
-        int exponent = 0;
-        if (largest > 0 && std::isfinite(largest)) {
-          std::frexp(largest, &exponent);
-          exponent = std::clamp(exponent, -1021, 1021);
-        }
-        const double scale = std::ldexp(1.0, -exponent);
-        double squares = 0;  // no float32 rounding error piles up over D
-        for (int64_t d = 0; d < dim; ++d) {
-          const double x = static_cast<double>(row[d]) * scale;
-          squares += x * x;
-        }
-        const double scaled_norm = std::sqrt(squares);
-        // out = row / max(norm, eps), as F.normalize, with the quotient in float64 (the norm may pass the dtype's
-        // range: the mean of values near float32's maximum over 8 features).
-        const bool above_eps = std::ldexp(scaled_norm, exponent) > kNormEps;
-        for (int64_t d = 0; d < dim; ++d) {
-          const double x = static_cast<double>(row[d]);
-          o[b * dim + d] = static_cast<scalar_t>(above_eps ? x * scale / scaled_norm : x / kNormEps);
-        }
-      }
+      });
     });
     return {out, wide};
   }
@@ -78,11 +96,11 @@ std::tuple<Tensor, Tensor> finish_pooled(const Tensor& pooled, ScalarType dtype,
   const Tensor scaled = div(wide64, scale);
   const Tensor scaled_norm = aten("aten::sqrt", "", torch::stable::sum(mul(scaled, scaled), std::vector<int64_t>{1},
                                                                        /*keepdim=*/true));
-  // row / max(norm, eps): scaled / scaled_norm above eps, where the norm itself may pass float64's range (it is
-  // only compared, as inf if so), and row / eps below it.
+  // row / max(norm, eps): row / eps at or below eps, else scaled / scaled_norm (a NaN norm too, which makes the
+  // whole row NaN, as in F.normalize), where the norm itself may pass float64's range (only compared, as inf if so).
   const Tensor norm = mul(scaled_norm, scale);
   const Tensor eps = full_on(norm, {}, kNormEps, ScalarType::Double);
-  return {where(ge(norm, eps), div(scaled, scaled_norm), div(wide64, eps)), wide};
+  return {where(ge(eps, norm), div(wide64, eps), div(scaled, scaled_norm)), wide};
 }
 
 std::tuple<Tensor, Tensor> mean_of_rows(const Tensor& hidden, const RowSelection& rows, bool normalize) {

@@ -28,11 +28,25 @@ def _pooled_grad(ctx, grad, grad_pooled):
     if not ctx.normalize:
         return grad
     m = ctx.saved_tensors[-1]
-    n = torch.linalg.vector_norm(m, dim=1, keepdim=True)
-    y, g = m / n.clamp_min(_EPS), grad.to(m.dtype)
-    # Above eps, out = m / |m|: project out the component along out. At or below it the divisor is the constant eps.
-    through_out = torch.where(n > _EPS, (g - y * (y * g).sum(1, keepdim=True)) / n.clamp_min(_EPS), g / _EPS)
+    through_out = _through_normalize(m, grad).to(m.dtype)
     return through_out + grad_pooled if grad_pooled is not None else through_out
+
+
+def _through_normalize(m, t):
+    """What out = m / max(|m|, eps) does to a vector t ([B, D], the gradient w.r.t. out or the tangent of m), in
+    float64: above eps (y = out) t - y <y, t> over |m|, the one expression serving the backward and the forward-mode
+    rule since the Jacobian is symmetric; at or below it t / eps. Each row is scaled first by a power of two near its
+    largest magnitude (exact), so that no square overflows or underflows: a float32 m past 1.8e19 (its squares past
+    float32's range) had |m| = inf and a zero gradient, which the forward gets right (csrc/ops/pooling.cpp)."""
+    wide = m.double()
+    largest = wide.abs().amax(1, keepdim=True)
+    usable = (largest > 0) & largest.isfinite()
+    scale = torch.where(usable, torch.exp2(torch.floor(torch.log2(torch.where(usable, largest, 1.0)))), 1.0)
+    scaled = wide / scale
+    scaled_norm = torch.linalg.vector_norm(scaled, dim=1, keepdim=True)
+    norm = scaled_norm * scale  # only compared with eps, and divided by: inf if past float64's range
+    y, t = scaled / scaled_norm.clamp_min(torch.finfo(torch.float64).tiny), t.double()
+    return torch.where(norm > _EPS, (t - y * (y * t).sum(1, keepdim=True)) / norm.clamp_min(_EPS), t / _EPS)
 
 
 def _save(ctx, *tensors):
@@ -58,10 +72,7 @@ def _normalized_tangents(ctx, pooled_tangent, dtype):
     if not ctx.normalize:
         return pooled_tangent.to(dtype), _empty_tangent(pooled_tangent, dtype)
     m = ctx.saved_tensors[-1]
-    n = torch.linalg.vector_norm(m, dim=1, keepdim=True)
-    y, t = m / n.clamp_min(_EPS), pooled_tangent.to(m.dtype)
-    through_out = torch.where(n > _EPS, (t - y * (y * t).sum(1, keepdim=True)) / n.clamp_min(_EPS), t / _EPS)
-    return through_out.to(dtype), t
+    return _through_normalize(m, pooled_tangent).to(dtype), pooled_tangent.to(m.dtype)
 
 
 # mean_pool: d hidden[b, l] = grad[b] * mask[b, l] / count[b]. Saves only the mask (no activations).

@@ -953,7 +953,7 @@ void attention_forward_typed(const Tensor& hidden, const AttentionRows& rows, co
                                      seq_len,
                                      state + n + 2 * block_heads};
     const scalar_t* block = h + b * sb + d0 * sd;
-    const int64_t count = reduce_rows(block, sl, sd, n, chunk_rows, reducer);
+    const int64_t count = reduce_rows(block, batch, sb, sl, sd, n, chunk_rows, reducer);
     if (count > 0) {
       reducer.fold();
       reducer.resum_if_overflowed(block, sl, sd, chunk_rows);

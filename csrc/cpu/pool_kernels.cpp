@@ -84,9 +84,6 @@ constexpr int kFoldRows = 32;
 inline int64_t prefetch_rows() {
   return prefetch_into_l1 ? 3 : 10;
 }
-// How many texts on pool_forward's prefetches may reach past a short text's end (a bound on the walk over empty
-// texts).
-constexpr int kPrefetchTexts = 4;
 
 // Calls step(i) for i = *at, *at + kStep, ... while kStep features fit in n (a vector's, a pair block's, a key
 // vector's), prefetching each line of `ahead` as prefetch_line() does, and leaves *at past the last. The whole lines
@@ -497,21 +494,8 @@ void pool_forward(const Tensor& hidden, const RowList& list, const ChunkPlan& pl
     const scalar_t* block = h + b * sb + d0 * sd;
     if (rows.begin < rows.end) {
       int64_t j = rows.begin;
-      // The block of the row `at` selected rows on from the text's first, to prefetch: past the text's last row, the
-      // rows of the texts after it, which this thread most likely takes next (for_each_chunk walks chunks in text
-      // order, and a batch of many texts has one feature block), up to kPrefetchTexts texts on; else the chunk's
-      // last row. (With only the text's own rows prefetched, a text of ten rows or fewer had none, and each text's
-      // first row waited on memory: 4096 texts of 4-8 rows x 384 bfloat16 features, one thread, 3.5-4.6x
-      // hidden.sum()'s time.)
       const auto ahead_of = [&](int64_t at) {
-        int64_t text = b;
-        for (int hop = 0; at >= list.rows(text); ++hop) {
-          at -= list.rows(text);
-          if (++text == batch || hop == kPrefetchTexts) {
-            return block + list.row(b, rows.end - 1) * sl;
-          }
-        }
-        return block + (text - b) * sb + list.row(text, at) * sl;
+        return row_to_prefetch(list, batch, b, at, block, sb, sl, block + list.row(b, rows.end - 1) * sl);
       };
       // Selected rows j to j + 3 into four, and the four after them into ahead, to prefetch: add_rows() and
       // add_four_rows() take rows four at a time.

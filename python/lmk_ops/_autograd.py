@@ -66,9 +66,8 @@ def _empty_tangent(like, dtype):
 
 
 def _normalized_tangents(ctx, pooled_tangent, dtype):
-    """The tangents of (out, pooled) given that of the pooled vector m (in the accumulation type): out = m /
-    max(|m|, eps) moves by (t - y <y, t>) / |m| above eps (y = out), by t / eps at or below it; pooled (saved with
-    normalize, else empty) by t itself."""
+    """The tangents of (out, pooled) given that of the pooled vector m (in the accumulation type): out moves as
+    _through_normalize says, pooled (saved with normalize, else empty) by the tangent itself."""
     if not ctx.normalize:
         return pooled_tangent.to(dtype), _empty_tangent(pooled_tangent, dtype)
     m = ctx.saved_tensors[-1]

@@ -468,6 +468,68 @@ def test_forward_mode_inside_torch_compile_runs_eagerly_or_fails_clearly():
         torch.compile(lambda x, t: torch.func.jvp(fn, (x,), (t,))[1], fullgraph=True)(h, tangent)
 
 
+def test_torch_func_grad_inside_torch_compile_gives_eagers_gradient():
+    # Dynamo traces the ops into the graph, so their autograd is the dispatcher's kernel: torch.library.
+    # register_autograd's used to be refused there (PyTorch's "must override the setup_context staticmethod").
+    torch._dynamo.reset()
+    fn, h = FUNCTIONS["attention_pool"], _h()
+    grad = torch.func.grad(lambda x: (fn(x) ** 2).sum())
+    assert torch.equal(torch.compile(grad, fullgraph=True)(h), grad(h))
+
+
+_MASK = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+_POSITIONS = torch.tensor([[0, 2], [1, -1]])
+# Each forward op called through torch.ops directly, beside its public function: (direct, public).
+_DIRECT = {
+    "mean_pool": (lambda h: torch.ops.lmk_ops.mean_pool(h, _MASK, True)[0],
+                  lambda h: lmk_ops.mean_pool(h, _MASK, normalize=True)),
+    "max_pool": (lambda h: torch.ops.lmk_ops.max_pool(h, _MASK)[0], lambda h: lmk_ops.max_pool(h, _MASK)),
+    "landmark_mean": (lambda h: torch.ops.lmk_ops.landmark_mean(h, _POSITIONS)[0],
+                      lambda h: lmk_ops.landmark_mean(h, _POSITIONS)),
+    "landmark_gather": (lambda h: torch.ops.lmk_ops.landmark_gather(h, _POSITIONS),
+                        lambda h: lmk_ops.landmark_gather(h, _POSITIONS)[0]),
+    "token_pool": (lambda h: torch.ops.lmk_ops.token_pool(h, _MASK, True)[0],
+                   lambda h: lmk_ops.last_token_pool(h, _MASK)),
+    "attention_pool": (lambda h: torch.ops.lmk_ops.attention_pool(h, _MASK, torch.ones(4, dtype=h.dtype))[0],
+                       lambda h: lmk_ops.attention_pool(h, _MASK, torch.ones(4, dtype=h.dtype))),
+}
+
+
+@pytest.mark.parametrize("name", _DIRECT)
+def test_direct_op_calls_carry_forward_mode_tangents(name):
+    # torch.ops.lmk_ops.* reach the dispatcher's autograd kernel, whose Function has the ops' forward-mode rules:
+    # torch.library.register_autograd's had none, and a dual tensor's tangent came out as None, silently.
+    import torch.autograd.forward_ad as forward_ad
+    direct, public = _DIRECT[name]
+    h, tangent = _h(), torch.randn(2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected = torch.func.jvp(public, (h,), (tangent,))[1]
+    assert expected.abs().sum() > 0
+    for grad_mode in (torch.enable_grad, torch.no_grad):
+        with forward_ad.dual_level(), grad_mode():
+            assert torch.equal(forward_ad.unpack_dual(direct(forward_ad.make_dual(h, tangent))).tangent, expected)
+    if name != "attention_pool":
+        assert torch.equal(torch.func.jvp(direct, (h,), (tangent,))[1], expected)
+        torch.testing.assert_close(torch.func.jacfwd(direct)(h), torch.func.jacfwd(public)(h))
+        return
+    # Attention's rule nests torch.func transforms, which cannot run where the dispatcher's kernel sits under one.
+    with pytest.raises(RuntimeError, match=r"^lmk_ops\.attention_pool: forward-mode AD .* of torch\.ops\.lmk_ops\."
+                                           r"attention_pool called directly is not supported; call lmk_ops\."):
+        torch.func.jvp(direct, (h,), (tangent,))
+
+
+@pytest.mark.parametrize("name", _DIRECT)
+def test_torch_func_reverse_mode_of_direct_op_calls_gives_the_public_functions_bits(name):
+    # register_autograd's kernel made torch.func.grad, jacrev and vmap over grad of a direct call fail with
+    # PyTorch's "must override the setup_context staticmethod".
+    direct, public = _DIRECT[name]
+    h, up = _h(), torch.randn(public(_h()).shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    def grad(f):
+        return torch.func.grad(lambda x: (f(x) * up).sum())
+
+    for transform, x in ((grad, h), (torch.func.jacrev, h), (lambda f: torch.func.vmap(grad(f)), torch.stack([h, -h]))):
+        assert torch.equal(transform(direct)(x), transform(public)(x))
+
+
 @pytest.mark.parametrize("op", FUNCTIONS)
 def test_vmap_and_reverse_mode_work(op):
     stacked = torch.stack([_h(), 2 * _h()])

@@ -108,9 +108,9 @@ def test_gradients_are_wired(name, kind, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_eager_calls_take_lmk_ops_autograd_function_or_skip_autograd(name, kind, device, monkeypatch):
     # The public functions call an op through lmk_ops' own autograd.Function when an input requires grad (past
-    # torch.library's Python autograd kernel), and below autograd when nothing does or grad mode is off: the same
+    # the dispatcher's Python autograd kernel), and below autograd when nothing does or grad mode is off: the same
     # values either way. The Function's forward is the one call below autograd of a tracked call.
-    below = []  # the calls lmk_ops made below autograd (torch.library's autograd kernel goes there too)
+    below = []  # the calls lmk_ops made below autograd (its dispatcher kernel goes there too)
     real = torch._C._AutoDispatchBelowAutograd
 
     class Spy(real):
@@ -123,7 +123,7 @@ def test_eager_calls_take_lmk_ops_autograd_function_or_skip_autograd(name, kind,
     fn, hidden, arg = _case(name, kind, device=device)
     tracked = fn(hidden, arg)
     assert tracked.requires_grad and len(below) == 1
-    assert "GeneratedBackwardFor" not in type(tracked.grad_fn).__name__
+    assert "Dispatched" not in type(tracked.grad_fn).__name__  # not the dispatcher's kernel
     with torch.no_grad():
         untracked = fn(hidden, arg)
     plain = fn(hidden.detach(), arg)
@@ -138,8 +138,8 @@ def test_eager_calls_take_lmk_ops_autograd_function_or_skip_autograd(name, kind,
 @pytest.mark.parametrize("name,kind", CASES)
 @pytest.mark.parametrize("device", DEVICES)
 def test_eager_and_dispatcher_autograd_give_the_same_bits(name, kind, device, monkeypatch):
-    # Eager calls differentiate through lmk_ops' autograd.Function; dynamo and torch.func go through the autograd
-    # registered with the dispatcher (torch.library). Both wrap the same setup_context and backward: the same
+    # Eager calls differentiate through lmk_ops' autograd.Function; dynamo and direct torch.ops calls go through the
+    # autograd kernel registered with the dispatcher. Both wrap the same setup_context and backward: the same
     # output, gradient and double-backward bits.
     fn, hidden, arg = _case(name, kind, torch.float64, device)
 
@@ -155,7 +155,7 @@ def test_eager_and_dispatcher_autograd_give_the_same_bits(name, kind, device, mo
     eager_route, eager = run()
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # call() then calls the op as dynamo does
     dispatcher_route, dispatched = run()
-    assert "GeneratedBackwardFor" in dispatcher_route and "GeneratedBackwardFor" not in eager_route
+    assert dispatcher_route.endswith("DispatchedBackward") and "Dispatched" not in eager_route
     for mine, theirs in zip(eager, dispatched):
         assert (mine is None and theirs is None) or torch.equal(mine, theirs)
 

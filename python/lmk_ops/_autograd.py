@@ -15,7 +15,7 @@ import torch
 
 from . import reference
 from ._checks import accumulation_dtype
-from ._dispatch import call, register_autograd
+from ._dispatch import at_transform_level, call, register_autograd
 
 ops = torch.ops.lmk_ops
 
@@ -298,7 +298,16 @@ def _jvp_by_vjps(f, primals, tangents):
     return transposed(tangents)
 
 
+def _refuse_at_transform_level(name):
+    """A rule that nests torch.func transforms cannot run inside the op's dispatcher kernel while a transform's level
+    is being processed (PyTorch's internal assert): only a torch.ops.lmk_ops.* call made directly gets there."""
+    if at_transform_level():
+        raise RuntimeError(f"lmk_ops.{name}: forward-mode AD (torch.func.jvp, jacfwd, hessian) of "
+                           f"torch.ops.lmk_ops.{name} called directly is not supported; call lmk_ops.attention_pool")
+
+
 def _attention_pool_jvp(ctx, hidden_tangent, _, query_tangent, *__):
+    _refuse_at_transform_level("attention_pool")
     hidden, mask, query, _, _, cu_seqlens = ctx.saved_tensors
     primals = (hidden, query)
     out, weights = _jvp_by_vjps(_reference_attention(ctx, mask, cu_seqlens), _widened(primals, primals, hidden),
@@ -341,6 +350,7 @@ def _reference_attention_backward(ctx, mask, cu_seqlens):
 
 
 def _attention_pool_backward_jvp(ctx, grad_tangent, grad_weights_tangent, hidden_tangent, _, query_tangent, *__):
+    _refuse_at_transform_level("attention_pool_backward")
     grad, grad_weights, hidden, mask, query, cu_seqlens = ctx.saved_tensors
     like = (grad, hidden, query, *((grad_weights,) if ctx.has_grad_weights else ()))
     tangents = (grad_tangent, hidden_tangent, query_tangent, grad_weights_tangent)[:len(like)]

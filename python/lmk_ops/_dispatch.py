@@ -1,41 +1,98 @@
-"""How the Python layer calls the registered ops."""
+"""How the Python layer calls the registered ops, and the autograd the dispatcher runs for them."""
 
 from __future__ import annotations
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
-from torch import Tensor
+from torch import Tensor, _C
+from torch._functorch.utils import enable_single_level_autograd_function
+import contextlib
+import threading
 
-# Per op (its OpOverloadPacket): the torch.autograd.Function of eager calls and the one torch.func's transforms and
-# forward mode take, both with the op's own setup_context and backward, and the schema's defaults for the arguments
-# a call leaves out (register_autograd below).
+# Per op (its OpOverloadPacket): the torch.autograd.Function of eager calls, the one torch.func's transforms take
+# through call(), and the schema's defaults for the arguments a call leaves out (register_autograd below).
 _functions: dict = {}
+
+# The ops' autograd kernels (register_autograd), kept alive with the library that holds them.
+_LIBRARY = torch.library.Library("lmk_ops", "IMPL")
+
+
+_kernel_state = threading.local()
+
+
+def at_transform_level() -> bool:
+    """Whether this thread runs an op's autograd kernel at a torch.func transform's level (register_autograd): a
+    forward-mode rule runs there, inside the transform's handling of the op, where no transform can be nested."""
+    return getattr(_kernel_state, "at_transform_level", False)
+
+
+@contextlib.contextmanager
+def _transform_level(interpreter):
+    """Marks the thread as at_transform_level() while a kernel runs with a transform's interpreter on the stack."""
+    before = at_transform_level()
+    _kernel_state.at_transform_level = interpreter is not None
+    try:
+        yield
+    finally:
+        _kernel_state.at_transform_level = before
 
 
 def register_autograd(name: str, backward, setup_context, jvp) -> None:
     """Registers the autograd of op lmk_ops::name, as one setup_context, one backward and one forward-mode rule
-    (jvp), on three routes: with the dispatcher (torch.library.register_autograd, backward only; dynamo and direct
-    torch.ops calls take it), as the torch.autograd.Function through which call() differentiates the op in eager
-    mode, and as the one it takes inside torch.func's transforms and forward-mode AD. The dispatcher's route runs
-    them through a Python wrapper that redispatches the op and fills its defaults: about 25 µs more per small
-    forward+backward (a 4x16x384 mean pooling: 84 against 60 µs)."""
-    torch.library.register_autograd(f"lmk_ops::{name}", backward, setup_context=setup_context)
-    op = getattr(torch.ops.lmk_ops, name)
-    defaults = tuple(a.default_value if a.has_default_value() else None for a in op.default._schema.arguments)
+    (jvp), on three routes: as the dispatcher's autograd kernel of the op, which every call that reaches the op's
+    autograd takes (torch.ops.lmk_ops.* called directly, torch.compile), and as two torch.autograd.Functions that
+    call() takes: one for eager calls (a shorter route, below), one inside torch.func's transforms and forward mode.
 
-    # forward(ctx, ...) calls setup_context itself: a Function that defines setup_context binds every call's
-    # arguments to forward's signature with inspect, 25 µs a call.
+    The kernel is not torch.library.register_autograd's: that one has no forward-mode rule (the tangent of a dual
+    tensor was dropped, silently) and a Function that torch.func's transforms refuse (no separate setup_context).
+    Here a Function with all three runs at the autograd key, which a transform reaches with its level's tensors, as
+    a single-level Function (as PyTorch's own C++ autograd kernels run there). A rule that nests a transform of its
+    own (attention's forward-mode rules) cannot run there, and the ops a rule calls go through the dispatcher
+    (at_transform_level() says when)."""
+    op = getattr(torch.ops.lmk_ops, name)
+    schema = op.default._schema
+    assert not any(a.kwarg_only for a in schema.arguments), f"{name}: the kernel passes every argument by position"
+    defaults = tuple(a.default_value if a.has_default_value() else None for a in schema.arguments)
+    title = name.replace("_", " ").title().replace(" ", "")
+
+    # The dispatcher's route: the keyset the kernel was called with comes last (it says where to redispatch).
+    def dispatched_forward(*args):
+        with _C._AutoDispatchBelowAutograd():
+            return op.default.redispatch(args[-1] & _C._after_autograd_keyset, *args[:-1])
+
+    def dispatched_backward(ctx, *grads):
+        grad_inputs = backward(ctx, *grads)
+        return (*grad_inputs, None) if isinstance(grad_inputs, tuple) else (grad_inputs, None)
+
+    dispatched = type(f"{title}Dispatched", (torch.autograd.Function,), {
+        "forward": staticmethod(dispatched_forward),
+        "setup_context": staticmethod(lambda ctx, inputs, output: setup_context(ctx, inputs[:-1], output)),
+        "backward": staticmethod(dispatched_backward),
+        "jvp": staticmethod(lambda ctx, *tangents: jvp(ctx, *tangents[:-1]))})
+
+    def autograd_kernel(keyset, *args):
+        args = (*args, *defaults[len(args):])  # the dispatcher drops trailing arguments equal to their defaults
+        if (_C.is_grad_enabled() and _C._any_requires_grad(*args)) or (
+                _forward_ad._current_level >= 0 and _C._is_fwd_grad_enabled()):
+            with enable_single_level_autograd_function(), _transform_level(_C._functorch.peek_interpreter_stack()):
+                return super(torch.autograd.Function, dispatched).apply(*args, keyset)
+        return dispatched_forward(*args, keyset)
+
+    _LIBRARY.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+
+    # The eager route: forward(ctx, ...) calls setup_context itself, as a Function that defines setup_context binds
+    # every call's arguments to forward's signature with inspect (25 µs a call).
     def forward(ctx, *args):
-        with torch._C._AutoDispatchBelowAutograd():
+        with _C._AutoDispatchBelowAutograd():
             output = op(*args)
         setup_context(ctx, args, output)
         return output
 
-    function = type(op.__name__.replace("lmk_ops.", ""), (torch.autograd.Function,), {
+    function = type(title, (torch.autograd.Function,), {
         "forward": staticmethod(forward), "backward": staticmethod(backward)})
-    # torch.func's transforms need a Function with a separate setup_context (and, under torch.vmap, a vmap rule:
-    # generated, from the ops' own rules); forward mode, its jvp.
-    transformable = type(op.__name__.replace("lmk_ops.", ""), (torch.autograd.Function,), {
+    # torch.func's transforms take a Function with a separate setup_context (and, under torch.vmap, a vmap rule:
+    # generated, from the ops' own rules) at their own level, where a rule may nest transforms; forward mode, its jvp.
+    transformable = type(title, (torch.autograd.Function,), {
         "forward": staticmethod(op), "setup_context": staticmethod(setup_context),
         "backward": staticmethod(backward), "jvp": staticmethod(jvp), "generate_vmap_rule": True})
     _functions[op] = (function, transformable, defaults)
@@ -45,16 +102,16 @@ def call(op, *args):
     """op(*args): through its autograd Function when something requires grad (register_autograd), else past autograd
     altogether (the op's autograd kernel is a Python function whose tens of microseconds per call are most of a small
     pooling's time: inference on a short query, first-token pooling). The backward functions call the backward ops
-    through here too, so a double backward (create_graph) is recorded the same way. While compiling (dynamo traces the
-    plain call) or under torch.jit.trace (which would record the Function as a Python op that it can neither check
-    nor save), the op is called as it is; inside torch.func transforms or a forward-mode dual level, through the
-    Function that they can take (with a jvp, and a setup_context apart from forward: torch.library.
-    register_autograd's, which a plain call would reach, has neither, and the transforms refuse it)."""
+    through here too, so a double backward (create_graph) is recorded the same way. While compiling (dynamo traces
+    the plain call, which reaches the op's autograd kernel) or under torch.jit.trace (which would record the Function
+    as a Python op that it can neither check nor save), the op is called as it is; inside torch.func's transforms or
+    a forward-mode dual level, through the Function that they take at their own level."""
+    if at_transform_level():  # a forward-mode rule inside an op's autograd kernel: the dispatcher has the transform
+        return op(*args)
     if torch.compiler.is_compiling() or torch._C._is_tracing():
         if _forward_ad._current_level >= 0:
-            # The dispatcher's route has no forward-mode rule: traced, the op's tangents would come out zero. Raised
-            # while dynamo traces (torch.compile over torch.func.jvp), this makes it run the frame eagerly, through
-            # the ops' rules; with fullgraph=True the compile fails with this message.
+            # Raised while dynamo traces (torch.compile over torch.func.jvp), this makes it run the frame eagerly,
+            # through the transformable Function; with fullgraph=True the compile fails with this message.
             raise RuntimeError(f"{op}: forward-mode AD (torch.func.jvp, jacfwd, hessian) runs eagerly, not inside "
                                "torch.compile(fullgraph=True) or torch.jit.trace")
         return op(*args)
@@ -64,5 +121,5 @@ def call(op, *args):
     if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
         function, _, defaults = _functions[op]
         return function.apply(*args, *defaults[len(args):])
-    with torch._C._AutoDispatchBelowAutograd():
+    with _C._AutoDispatchBelowAutograd():
         return op(*args)

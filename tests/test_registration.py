@@ -153,7 +153,7 @@ def test_eager_and_dispatcher_autograd_give_the_same_bits(name, kind, device, mo
         return type(out.grad_fn).__name__, [out, g, *gg]
 
     eager_route, eager = run()
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # call() then calls the op as dynamo does
+    monkeypatch.setattr(lmk_ops._dispatch, "_is_compiling", lambda: True)  # call() then calls the op as dynamo does
     dispatcher_route, dispatched = run()
     assert dispatcher_route.endswith("DispatchedBackward") and "Dispatched" not in eager_route
     for mine, theirs in zip(eager, dispatched):

@@ -14,6 +14,9 @@ namespace lmk_ops {
 template <typename scalar_t>
 using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
+// The divisor's floor when pooled rows are normalised, as torch.nn.functional.normalize's eps.
+constexpr double kNormalizeEps = 1e-12;
+
 // Which rows of each text an op reduces; produced by the input checks, consumed by the kernels. Every row (all
 // undefined), the rows where a contiguous bool [B, L] mask is true, the rows listed in contiguous int64 [B, K]
 // positions (-1 entries skipped; the others checked to lie in [0, L); a repeated position counts as often as it is
@@ -158,6 +161,10 @@ struct Kernels {
   // synchronising. One pass, where the cast, the differences and a check_range per condition took some eight kernel
   // launches on CUDA.
   void (*packed_offsets)(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor& offsets, Tensor& lengths);
+  // out [B, D] (a float dtype, contiguous) = each row of wide [B, D] (its accumulation type, contiguous) divided by
+  // max(its L2 norm, kNormalizeEps), as F.normalize (a NaN anywhere in a row makes all of it NaN). CPU only (null
+  // in the CUDA table): the op layer's host path; a CUDA build normalises with tensor operations (ops/pooling.cpp).
+  void (*normalize_rows)(const Tensor& wide, Tensor& out);
 };
 
 }  // namespace lmk_ops

@@ -10,6 +10,7 @@
 #include "cpu/attention_kernels.h"
 #include "cpu/bf16_pairs.h"
 #include "cpu/kernel_common.h"
+#include "cpu/normalize_kernels.h"
 #include "cpu/rows.h"
 
 namespace lmk_ops::cpu::CPU_CAPABILITY {
@@ -694,7 +695,7 @@ const Kernels& kernels() {
                          cpu::mean_backward,
                          &max_backward,       cpu::gather_forward, cpu::gather_backward, &attention_forward,
                          &attention_backward, cpu::find_rows,     cpu::shift_rows,
-                         cpu::packed_offsets};
+                         cpu::packed_offsets, &normalize_rows};
   return k;
 }
 

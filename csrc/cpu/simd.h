@@ -167,6 +167,34 @@ inline Vec<acc_t<scalar_t>> load_widened(const scalar_t* p) {
   }
 }
 
+// Vec<double>::size() floats from p, each widened to double (exact). (Intrinsics: GCC lowers the generic
+// __builtin_convertvector to half-width conversions and an insert.)
+inline Vec<double> load_floats_widened(const float* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec<double>(_mm512_cvtps_pd(_mm256_loadu_ps(p)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec<double>(_mm256_cvtps_pd(_mm_loadu_ps(p)));
+#else
+  typedef float Floats __attribute__((vector_size(kVectorBytes / 2)));
+  Floats f;
+  std::memcpy(&f, p, sizeof f);
+  return Vec<double>(__builtin_convertvector(f, Vec<double>::Native));
+#endif
+}
+
+// x's lanes rounded to float (to nearest, ties to even, as a static_cast), stored at p.
+inline void store_doubles_narrowed(Vec<double> x, float* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm256_storeu_ps(p, _mm512_cvtpd_ps(x.v));
+#elif defined(CPU_CAPABILITY_AVX2)
+  _mm_storeu_ps(p, _mm256_cvtpd_ps(x.v));
+#else
+  typedef float Floats __attribute__((vector_size(kVectorBytes / 2)));
+  const Floats f = __builtin_convertvector(x.v, Floats);
+  std::memcpy(p, &f, sizeof f);
+#endif
+}
+
 // dst[i] = src[i] rounded to scalar_t (to nearest, ties to even, as a static_cast), for n values.
 template <typename scalar_t>
 inline void store_narrowed(const acc_t<scalar_t>* src, scalar_t* dst, int64_t n) {

@@ -9,7 +9,7 @@ const Kernels& kernels() {
   static const Kernels k{&check_range,    &mean_forward,    &max_forward,       &grad_over_counts,   &mean_backward,
                          &max_backward,
                          &gather_forward, &gather_backward, &attention_forward, &attention_backward, &find_rows,
-                         &shift_rows,  &packed_offsets};
+                         &shift_rows,  &packed_offsets, /*normalize_rows: the host path's, CPU only*/ nullptr};
   return k;
 }
 

@@ -1,11 +1,8 @@
 #include "ops/pooling.h"
 
-#include <algorithm>
 #include <cmath>
 #include <limits>
-#include <type_traits>
 
-#include "common/dispatch.h"
 #include "common/host_path.h"
 #include "ops/kernels.h"
 
@@ -15,69 +12,14 @@ bool is_empty_pool(const Tensor& hidden) {
   return hidden.size(0) == 0 || hidden.size(1) == 0 || hidden.size(2) == 0;
 }
 
-// The divisor's floor in normalize, as torch.nn.functional.normalize's eps.
-constexpr double kNormEps = 1e-12;
-// The least work, in elements, worth a thread in normalize's host loop (as the kernels' kMinParallelWork).
-constexpr int64_t kMinNormalizeWork = int64_t{1} << 15;
-
 std::tuple<Tensor, Tensor> finish_pooled(const Tensor& pooled, ScalarType dtype, bool normalize) {
   if (!normalize) {
     return {pooled, empty_on(pooled, {0}, acc_dtype(dtype))};
   }
   const Tensor wide = as_contiguous(to_dtype(pooled, acc_dtype(dtype)));
   if (takes_host_path(wide)) {  // one pass per row, where the generic form below costs six operator calls
-    const int64_t batch = wide.size(0), dim = wide.size(1);
-    Tensor out = empty_on(wide, {batch, dim}, dtype);
-    LMK_DISPATCH_FLOATING(dtype, "normalize", [&] {
-      using acc = acc_t<scalar_t>;
-      // The squares, their sum and the quotients in float64, and for float64 rows in the x87 extended type (as the
-      // kernels' wide_t; a float64 sum of 768 float64 squares drifted, its unit vectors up to 5.7 ulp off the
-      // exact ones, F.normalize's 1.2). Either type holds every square and sum of squares of the rows' values
-      // (float32's squared, float64's squared), so no row needs scaling to keep its norm finite and nonzero.
-      using wide_sum = std::conditional_t<std::is_same_v<scalar_t, double>, long double, double>;
-      using wide_limits = std::numeric_limits<wide_sum>;
-      using acc_limits = std::numeric_limits<acc>;
-      static_assert(wide_limits::max_exponent >= 2 * acc_limits::max_exponent + 64 &&
-                        wide_limits::min_exponent <= 2 * (acc_limits::min_exponent - acc_limits::digits),
-                    "normalize needs a type whose range holds the squares of the rows' values (x87 long double)");
-      const acc* w = wide.const_data_ptr<acc>();
-      scalar_t* o = out.mutable_data_ptr<scalar_t>();
-      torch::stable::parallel_for(0, batch, std::max<int64_t>(1, kMinNormalizeWork / dim), [&](int64_t first,
-                                                                                                int64_t last) {
-        for (int64_t b = first; b < last; ++b) {
-          const acc* row = w + b * dim;
-          // Four running sums, d % 4, added pairwise: a fixed order that one chain of dependent additions would
-          // make four times slower.
-          wide_sum sums[4] = {0, 0, 0, 0};
-          int64_t d = 0;
-          for (; d + 4 <= dim; d += 4) {
-            for (int k = 0; k < 4; ++k) {
-              const wide_sum x = static_cast<wide_sum>(row[d + k]);
-              sums[k] += x * x;
-            }
-          }
-          for (; d < dim; ++d) {
-            const wide_sum x = static_cast<wide_sum>(row[d]);
-            sums[d % 4] += x * x;
-          }
-          const wide_sum norm = std::sqrt((sums[0] + sums[1]) + (sums[2] + sums[3]));
-          // out = row / max(norm, eps), as F.normalize: above eps (or NaN, which makes every feature NaN, as in
-          // F.normalize) as the product by the norm's reciprocal in the wide type (two roundings far below the
-          // dtype's), below it divided by eps as F.normalize divides.
-          scalar_t* out_row = o + b * dim;
-          if (!(norm <= wide_sum(kNormEps))) {
-            const wide_sum inverse = wide_sum(1) / norm;
-            for (d = 0; d < dim; ++d) {
-              out_row[d] = static_cast<scalar_t>(static_cast<wide_sum>(row[d]) * inverse);
-            }
-          } else {
-            for (d = 0; d < dim; ++d) {
-              out_row[d] = static_cast<scalar_t>(static_cast<double>(row[d]) / kNormEps);
-            }
-          }
-        }
-      });
-    });
+    Tensor out = empty_on(wide, {wide.size(0), wide.size(1)}, dtype);
+    kernels_for(wide).normalize_rows(wide, out);
     return {out, wide};
   }
   // The L2 norm of each row (ATen's vector norm takes its order as a Scalar, which the stable ABI cannot pass), in
@@ -86,10 +28,10 @@ std::tuple<Tensor, Tensor> finish_pooled(const Tensor& pooled, ScalarType dtype,
   if (dtype != ScalarType::Double) {
     const Tensor squares = torch::stable::sum(mul(wide64, wide64), std::vector<int64_t>{1}, /*keepdim=*/true);
     const Tensor norm = aten("aten::sqrt", "", squares);
-    return {to_dtype(div(wide64, clamp_min(norm, kNormEps)), dtype), wide};
+    return {to_dtype(div(wide64, clamp_min(norm, kNormalizeEps)), dtype), wide};
   }
-  // float64 rows: scaled first by a power of two near each row's largest magnitude, as the host path does, so that
-  // the squares neither overflow nor underflow (exact: the scaling changes no bit otherwise).
+  // float64 rows: scaled first by a power of two near each row's largest magnitude, so that the squares neither
+  // overflow nor underflow (exact: the scaling changes no bit otherwise; the host path sums in a wider type instead).
   const Tensor largest = aten("aten::amax", "", aten("aten::abs", "", wide64), std::vector<int64_t>{1}, true);
   const Tensor log2 = aten("aten::log2", "", clamp_min(largest, std::numeric_limits<double>::min()));
   const Tensor scale = aten("aten::exp2", "", aten("aten::floor", "", log2));
@@ -99,7 +41,7 @@ std::tuple<Tensor, Tensor> finish_pooled(const Tensor& pooled, ScalarType dtype,
   // row / max(norm, eps): row / eps at or below eps, else scaled / scaled_norm (a NaN norm too, which makes the
   // whole row NaN, as in F.normalize), where the norm itself may pass float64's range (only compared, as inf if so).
   const Tensor norm = mul(scaled_norm, scale);
-  const Tensor eps = full_on(norm, {}, kNormEps, ScalarType::Double);
+  const Tensor eps = full_on(norm, {}, kNormalizeEps, ScalarType::Double);
   return {where(ge(eps, norm), div(wide64, eps), div(scaled, scaled_norm)), wide};
 }
 

@@ -169,6 +169,39 @@ for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
 """)
 
 
+# The normalised means of every dtype, with tails of single features (D 1, 17, 769) and rows below eps: each within
+# four ulps (of the feature, or of a typical feature, d^-1/2, where it is smaller: the mean's own rounding in float32
+# and float64) of the float64 oracle's unit vector, F.normalize of the exact mean; their bytes' digest printed.
+_NORMALIZED = """
+import hashlib
+import torch.nn.functional as F
+digest = hashlib.sha256()
+gen = torch.Generator().manual_seed(0)
+for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+    for d in (1, 17, 384, 769):
+        scales = torch.tensor([1.0, 1e3, 1e-3, 1e-14])[:, None, None]
+        hidden = (torch.randn(4, 9, d, generator=gen, dtype=torch.float64) * scales).to(dtype)
+        mask = torch.rand(4, 9, generator=gen) < 0.7
+        out = lmk_ops.mean_pool(hidden, mask, normalize=True)
+        mean = (hidden.double() * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp_min(1)
+        oracle = F.normalize(mean, dim=-1, eps=1e-12)
+        ulp = torch.finfo(dtype).eps * oracle.abs().clamp_min(d ** -0.5)
+        assert ((out.double() - oracle).abs() <= 4 * ulp).all(), (dtype, d)
+        digest.update(out.contiguous().view(torch.uint8).numpy().tobytes())
+print(digest.hexdigest())
+"""
+
+
+@pytest.mark.parametrize("capability", LOWER_CPU_CAPABILITIES)
+def test_normalize_on_every_cpu_capability(capability):
+    # normalize's per-row pass (csrc/cpu/normalize_kernels.cpp) is compiled per capability: each copy is close to the
+    # oracle and gives the best copy's bits (its sixteen running sums do not depend on the vector width).
+    best = subprocess.run([sys.executable, "-c", "import torch, lmk_ops\n" + _NORMALIZED],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    run_under_cpu_capability(capability, _NORMALIZED.replace("print(digest.hexdigest())",
+                                                             f"assert digest.hexdigest() == {best!r}"))
+
+
 def test_capability_variable_never_selects_what_the_cpu_lacks():
     # ATen trusts ATEN_CPU_CAPABILITY=avx512 even on a CPU without AVX-512; lmk_ops caps it at what the CPU runs.
     if not os.path.exists("/proc/cpuinfo"):

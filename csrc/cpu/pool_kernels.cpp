@@ -130,6 +130,7 @@ struct SumReducer {
   int64_t paired = 0;  // leading features of sum and total in pair order (bf16_pairs.h), else 0
   int run = 0;
   bool folded = false;  // whether total holds a run yet (finish)
+  bool overflowed = false;  // float sums: whether a run's sum was inf or NaN (finish, resum_if_overflowed)
 
   // Where feature i is in sum and total. Contiguous bfloat16 rows are read in pair order: one load and two
   // instructions widen a pair block where load_widened() takes a load, a widening and a shift per vector. With
@@ -153,6 +154,7 @@ struct SumReducer {
       sum[i] = static_cast<acc>(row[i * stride]);
     }
     folded = false;
+    overflowed = false;
     run = 1;
   }
 
@@ -164,6 +166,7 @@ struct SumReducer {
     n = width;
     std::fill_n(sum, n, acc(0));
     folded = false;
+    overflowed = false;
     run = 0;
   }
 
@@ -257,13 +260,20 @@ struct SumReducer {
     }
   }
 
-  // Folds the current run into the total (the driver calls it after the last row). The first run is the total: 0.0
-  // + run, the bits a zeroed total would give (-0.0 becomes +0.0) without zeroing it first. (Zeroing it per task
-  // was a quarter of the time of a mean over 16384 texts of two tokens: a text's total is twice its row's bytes.)
-  void finish() {
+  // Folds the current run into the total; the driver calls it with last after the text's last row, when the sums
+  // need not be zeroed for another run (init and start set them). The first run is the total: 0.0 + run, the bits a
+  // zeroed total would give (-0.0 becomes +0.0) without zeroing it first. (Zeroing it per task was a quarter of the
+  // time of a mean over 16384 texts of two tokens: a text's total is twice its row's bytes.) Float runs are checked
+  // for inf and NaN here, in float lanes: a float64 total of float runs is finite exactly when they all are.
+  void finish(bool last = false) {
+    if constexpr (!std::is_same_v<acc, double>) {
+      overflowed = overflowed || !all_finite(sum, n);
+    }
     for (int64_t i = 0; i < n; ++i) {  // vectorised by the compiler (the test unswitched): widen, add
       total[i] = (folded ? total[i] : 0.0) + static_cast<double>(sum[i]);
-      sum[i] = acc(0);
+    }
+    if (!last) {
+      std::fill_n(sum, n, acc(0));
     }
     folded = true;
     run = 0;
@@ -309,7 +319,7 @@ struct SumReducer {
   // which keeps a chunk's kChunkRows rows finite, and unscale carries the factor back: the caller divides by the
   // row count before unscaling. Only such values, or inputs that are inf or NaN (which stay so), take this read.
   void resum_if_overflowed(const scalar_t* block, int64_t stride_l, int64_t stride_d, const ChunkRows& chunk) {
-    if (all_finite(total, n)) {
+    if (std::is_same_v<acc, double> ? all_finite(total, n) : !overflowed) {
       return;
     }
     constexpr double shrink = kResumShrink<acc>;
@@ -401,7 +411,7 @@ struct MaxReducer {
   int64_t rows_seen = 0;
 #endif
 
-  void finish() {
+  void finish(bool /*last*/ = false) {  // (as SumReducer's: the driver's call after a chunk's last row)
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
     for (int64_t i = 0; i < keyed; ++i) {
       best[i] = static_cast<acc>(row_at[ordinal[i]][i]);
@@ -533,7 +543,7 @@ void pool_forward(const Tensor& hidden, const RowList& list, const ChunkPlan& pl
       for (; j < rows.end; ++j) {
         add_one(j);
       }
-      reducer.finish();
+      reducer.finish(/*last=*/true);
       if constexpr (std::is_same_v<Reducer, SumReducer<scalar_t>>) {
         reducer.resum_if_overflowed(block, sl, sd, rows);
       }

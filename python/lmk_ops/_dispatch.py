@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import _C
 from torch._functorch.utils import enable_single_level_autograd_function
-import contextlib
-import threading
 
 # Per op (its OpOverloadPacket): the torch.autograd.Function of eager calls, the one torch.func's transforms take
 # through call(), and the schema's defaults for the arguments a call leaves out (register_autograd below).
@@ -80,7 +81,7 @@ def register_autograd(name: str, backward, setup_context, jvp) -> None:
         args = (*args, *defaults[len(args):])  # the dispatcher drops trailing arguments equal to their defaults
         if (_is_grad_enabled() and _any_requires_grad(*args)) or (
                 _forward_ad._current_level >= 0 and _C._is_fwd_grad_enabled()):
-            with enable_single_level_autograd_function(), _transform_level(_C._functorch.peek_interpreter_stack()):
+            with enable_single_level_autograd_function(), _transform_level(_peek_interpreter_stack()):
                 return super(torch.autograd.Function, dispatched).apply(*args, keyset)
         return dispatched_forward(*args, keyset)
 

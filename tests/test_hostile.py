@@ -282,6 +282,32 @@ def test_float64_normalize_is_within_an_ulp_of_the_exact_unit_vector():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(2, 3, 0), (0, 3, 4), (2, 0, 4), (0, 0, 0)])
+def test_normalize_of_empty_batches_and_rows_without_features(device, shape):
+    # D = 0 with normalize=True killed the process (SIGFPE: the CPU pass split its work by D), and its backward
+    # failed in amax over the empty feature dimension.
+    import torch.autograd.forward_ad as forward_ad
+    batch, seq_len, dim = shape
+    mask = torch.ones(batch, seq_len, dtype=torch.bool, device=device)
+    cu_seqlens = torch.arange(batch + 1, device=device) * seq_len
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        hidden = torch.randn(shape, dtype=dtype).to(device)
+        packed = hidden.reshape(batch * seq_len, dim)
+        for fn, x in ((lambda h: lmk_ops.mean_pool(h, mask, normalize=True), hidden),
+                      (lambda h: lmk_ops.max_pool(h, mask, normalize=True), hidden),
+                      (lambda h: lmk_ops.landmark_mean(h, mask, normalize=True), hidden),
+                      (lambda h: lmk_ops.mean_pool(h, cu_seqlens=cu_seqlens, normalize=True), packed)):
+            h = x.detach().requires_grad_()
+            out = fn(h)
+            assert out.shape == (batch, dim) and out.dtype == dtype and not out.any()
+            (grad,) = torch.autograd.grad(out, h, torch.ones_like(out))
+            assert grad.shape == h.shape and not grad.any()
+            with forward_ad.dual_level():
+                tangent = forward_ad.unpack_dual(fn(forward_ad.make_dual(x, torch.ones_like(x)))).tangent
+            assert tangent.shape == (batch, dim) and not tangent.any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_normalize_of_a_pooled_row_with_a_nan_is_all_nan_as_in_f_normalize(device, dtype):
     # The host loop (and the device-generic path's float64 rows) divided such a row by eps (its norm is NaN, which

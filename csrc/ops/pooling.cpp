@@ -17,6 +17,9 @@ std::tuple<Tensor, Tensor> finish_pooled(const Tensor& pooled, ScalarType dtype,
     return {pooled, empty_on(pooled, {0}, acc_dtype(dtype))};
   }
   const Tensor wide = as_contiguous(to_dtype(pooled, acc_dtype(dtype)));
+  if (wide.numel() == 0) {  // no texts or no features: nothing to divide (D = 0 divided the host pass's work split
+    return {empty_on(wide, {wide.size(0), wide.size(1)}, dtype), wide};  // by zero, SIGFPE; ATen's amax refuses it)
+  }
   if (takes_host_path(wide)) {  // one pass per row, where the generic form below costs six operator calls
     Tensor out = empty_on(wide, {wide.size(0), wide.size(1)}, dtype);
     kernels_for(wide).normalize_rows(wide, out);

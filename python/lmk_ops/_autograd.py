@@ -38,6 +38,8 @@ def _through_normalize(m, t):
     rule since the Jacobian is symmetric; at or below it t / eps. Each row is scaled first by a power of two near its
     largest magnitude (exact), so that no square overflows or underflows: a float32 m past 1.8e19 (its squares past
     float32's range) had |m| = inf and a zero gradient, which the forward gets right (csrc/ops/pooling.cpp)."""
+    if m.shape[1] == 0:  # no features (amax refuses an empty dimension)
+        return t.double()
     wide = m.double()
     largest = wide.abs().amax(1, keepdim=True)
     usable = (largest > 0) & largest.isfinite()

@@ -81,11 +81,11 @@ void normalize_float_rows(const float* wide, scalar_t* out, int64_t batch, int64
   });
 }
 
-// float64 rows: the squares, their sum and the quotients in the x87 extended type (as the kernels' wide_t; a
-// float64 sum of 768 float64 squares drifted, its unit vectors up to 5.7 ulp off the exact ones, F.normalize's
-// 1.2), which holds every square of a float64 and their sum. Scalar: x87 has no vectors.
+// float64 rows: the squares, their sum and the quotients in the kernels' wide_t, the x87 extended type (a float64
+// sum of 768 float64 squares drifted, its unit vectors up to 5.7 ulp off the exact ones, F.normalize's 1.2), which
+// holds every square of a float64 and their sum. Scalar: x87 has no vectors.
 void normalize_double_rows(const double* wide, double* out, int64_t batch, int64_t dim) {
-  using wide_sum = long double;
+  using wide_sum = wide_t<double>;
   using wide_limits = std::numeric_limits<wide_sum>;
   using limits = std::numeric_limits<double>;
   static_assert(wide_limits::max_exponent >= 2 * limits::max_exponent + 64 &&

@@ -68,6 +68,65 @@ def test_time_together_takes_turns_and_keeps_none():
     assert calls == ["a", "a", "b", "b"] + ["a", "b", "move", "a", "b", "move", "a", "b"]
 
 
+def test_functions_that_compile_nothing_are_timed_from_their_first_call():
+    """Only a compiled function needs a warm-up call; an eager one slower than slow_ms is timed by its first call
+    alone (the report's slow eager baselines, once instead of twice)."""
+    calls = []
+    times = bench.time_together({"eager": lambda: calls.append("eager"), "compiled": lambda: calls.append("compiled")},
+                                "cpu", slow_ms=-1.0, warm_up={"compiled"})
+    assert calls == ["eager", "compiled", "compiled"] and min(times.values()) >= 0
+    calls.clear()
+    bench.time_together({"a": lambda: calls.append("a")}, "cpu", min_time=0.0, min_rounds=2, block_ms=0.0, warm_up=())
+    assert calls == ["a"] + ["a"] * 2  # a fast first call is the warm-up: the rounds follow as before
+    calls.clear()
+    assert bench.time_ms(lambda: calls.append("slow"), "cpu", slow_ms=-1.0, warm_up=False) >= 0
+    assert calls == ["slow"]
+
+
+class _FakeFuture:
+    def __init__(self, error):
+        self.error = error
+
+    def result(self):
+        if self.error is not None:
+            raise self.error
+
+
+def test_precompile_skips_its_workers_once_the_cache_holds_the_same_contenders(monkeypatch, tmp_path):
+    """precompile leaves a marker in torch's compile cache after its workers succeeded; the same cases with the
+    same cache skip the workers, other cases or a failed run do not."""
+    submitted, failure = [], []
+
+    class FakePool:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def submit(self, fn, part, *args):
+            submitted.append(part)
+            return _FakeFuture(failure[0] if failure else None)
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(bench, "usable_cores", lambda: 2)
+    monkeypatch.setattr(bench, "ProcessPoolExecutor", FakePool)
+    cases = [("mean_pool", "float32", (2, 7, 24)), ("max_pool", "float32", (2, 7, 24))]
+    failure.append(RuntimeError("a worker failed"))
+    bench.precompile(cases, "cpu", 0.0)
+    assert len(submitted) == 2 and not list(tmp_path.glob("lmk_ops_bench_contenders_*"))
+    failure.clear()
+    bench.precompile(cases, "cpu", 0.0)
+    assert len(submitted) == 4 and len(list(tmp_path.glob("lmk_ops_bench_contenders_*"))) == 1
+    bench.precompile(cases, "cpu", 0.0)
+    assert len(submitted) == 4
+    bench.precompile(cases + [("mean_pool", "bfloat16", (2, 7, 24))], "cpu", 0.0)
+    assert len(submitted) == 6
+
+
 def test_precompile_fills_the_compile_cache_the_report_then_loads(monkeypatch):
     """The contenders compiled in worker processes (bench.precompile) are cache hits in the report's own process."""
     from torch._dynamo.utils import counters

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import multiprocessing
 import os
+import pathlib
 import platform
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Mapping, MutableMapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -124,15 +126,13 @@ def calls_per_sample(first_ms: float, device: str, sample_ms=2.0, most=100) -> i
     return max(1, min(most, int(sample_ms / max(first_ms, 1e-3))))
 
 
-def time_ms(fn, device: str, min_time=0.1, min_reps=5, max_reps=100, slow_ms=100.0) -> float:
+def time_ms(fn, device: str, min_time=0.1, min_reps=5, max_reps=100, slow_ms=100.0, warm_up=True) -> float:
     """Median milliseconds of fn() over repeated samples after one warm-up call (which compiles and allocates): at
     least min_reps, about min_time seconds in all. A call slower than slow_ms (the eager baselines on large shapes,
     many times slower than lmk_ops) is timed once after the warm-up: that is plenty precise for a ratio of many
-    times, and the report keeps to its time."""
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    first = call_ms(fn, device)
+    times, and the report keeps to its time. warm_up=False, for a function that compiles nothing: its first call is
+    timed, and kept if slower than slow_ms (_first_call_ms)."""
+    first = _first_call_ms(fn, device, warm_up)
     if first > slow_ms:
         return first
     calls = calls_per_sample(first, device)
@@ -142,19 +142,30 @@ def time_ms(fn, device: str, min_time=0.1, min_reps=5, max_reps=100, slow_ms=100
     return statistics.median(samples)
 
 
+def _first_call_ms(fn, device: str, warm_up: bool) -> float:
+    """The time of fn's first timed call: the one after a warm-up call, or without warm_up the very first. An eager
+    call slower than slow_ms needs no warm-up: it compiles nothing, its allocations are as fresh on every call
+    (on a 2-core AMD EPYC Zen 3, max_pool's eager baseline at 1x32768x1024 took 993 and 1041 ms on first calls,
+    787-1210 on later ones), and timing such calls once took a report from 257-259 s to 212 s there."""
+    if warm_up or device == "cuda":  # on a GPU a first call also loads kernels and creates library handles
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return call_ms(fn, device)
+
+
 def time_together(fns: dict, device: str, min_time=0.3, min_rounds=3, block_ms=20.0, slow_ms=100.0,
-                  between_rounds: Callable[[], None] | None = None) -> dict:
+                  between_rounds: Callable[[], None] | None = None, warm_up: Collection[str] | None = None) -> dict:
     """Median milliseconds of each function (None stays None), the fast ones timed in turns: each round calls every
     function for about block_ms in a row, so that all see the same state of the machine (a ratio of two of them,
     lmk_ops over hidden.sum() or packed over padded, then holds where timings taken minutes apart drift by 10-30% on
     a shared machine), and each is timed warm, as time_ms times it, not right after another's cache-flushing pass.
     A function whose first call after the warm-up is slower than slow_ms keeps that time, as time_ms would.
-    between_rounds, if given, runs between two rounds, untimed."""
-    first = {}
-    for name, fn in fns.items():
-        if fn is not None:
-            fn()
-            first[name] = call_ms(fn, device)
+    warm_up: the names of the functions that need a warm-up call (that compile); None: every one. The others'
+    first call is timed, and kept if slower than slow_ms. between_rounds, if given, runs between two rounds,
+    untimed."""
+    first = {name: _first_call_ms(fn, device, warm_up is None or name in warm_up)
+             for name, fn in fns.items() if fn is not None}
     turns = {name: fns[name] for name, ms in first.items() if ms <= slow_ms}
     calls = {name: calls_per_sample(first[name], device) for name in turns}
     samples: dict[str, list[float]] = {name: [] for name in turns}
@@ -293,23 +304,47 @@ def capability_compile_cache(environ: MutableMapping[str, str] = os.environ) -> 
     return folder
 
 
+def precompiled_marker(compiled, device, padding, threads) -> str | None:
+    """A file in torch's compile cache that precompile leaves once it has compiled these contenders there, so that
+    the next report skips its workers: with the cache warm they only spawn, import torch and trace every case
+    again (28 s of a 257 s report on a 2-core AMD EPYC Zen 3). Its name hashes what the compiled code depends on:
+    torch, Python, the reference and report code, the cases, the thread count and ATEN_CPU_CAPABILITY; a cache
+    emptied takes it along. A marker that outlived its entries costs time (the report compiles them one by one),
+    never a wrong figure. None where torch does not say where its cache is."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:
+        return None
+    sources = b"".join(pathlib.Path(path).read_bytes() for path in (reference.__file__, __file__))
+    key = repr((torch.__version__, sys.version, os.environ.get("ATEN_CPU_CAPABILITY"), compiled, device, padding,
+                threads)).encode()
+    return os.path.join(cache_dir(), f"lmk_ops_bench_contenders_{hashlib.sha256(key + sources).hexdigest()[:32]}")
+
+
 def precompile(cases, device, padding) -> None:
     """Fills torch's compile cache (on disk) with the contenders of the report's cases, compiled in one process per
     core, so that the report's own first calls load them. Compiling them one after the other was about 150 s of a
     fresh report's 294 s on a 2-core AMD EPYC; each compile is one process's work (tracing in Python, then g++),
-    and two processes brought that report to 263 s. CPU only: not tried on a GPU machine."""
+    and two processes brought that report to 263 s. With the cache already warm for these cases it does nothing
+    (precompiled_marker). CPU only: not tried on a GPU machine."""
     compiled = [(op, dt, shape) for op, dt, shape in cases if op != "insert_landmarks"]
     workers = min(len(compiled), usable_cores(), 8)
     if device != "cpu" or workers < 2:
         return
+    threads = torch.get_num_threads()
+    marker = precompiled_marker(compiled, device, padding, threads)
+    if marker is not None and os.path.exists(marker):
+        return
     print(f"  compiling the torch.compile contenders in {workers} processes ...", end="\r", file=sys.stderr,
           flush=True)
     share = [compiled[i::workers] for i in range(workers)]
-    threads = torch.get_num_threads()
     try:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             for done in [pool.submit(_compile_cases, part, device, padding, threads) for part in share]:
                 done.result()
+        if marker is not None:
+            with open(marker, "w") as f:
+                f.write("the torch.compile contenders of an lmk_ops.bench report, compiled into this cache\n")
     except Exception as error:  # e.g. a script calling main() without the __main__ guard that spawn needs
         print(f"\nprecompiling in {workers} processes failed ({type(error).__name__}: {error}); the report compiles "
               "each contender as it comes", file=sys.stderr)
@@ -328,14 +363,15 @@ def bench_case(op, dtype_name, shape, device, padding) -> list[Row]:
         # lmk_ops, the floor (and mean_pool beside landmark_mean) in turns; the contenders, much slower, after.
         together = time_together({"lmk_ops": lambda: impls["lmk_ops"](hidden, second), "floor": lambda: hidden.sum(),
                                   "mean_pool": (lambda: lmk_ops.mean_pool(hidden, mask)) if op in LANDMARK_ENTRIES
-                                  else None}, device)
-        times = {name: together["lmk_ops"] if name == "lmk_ops" else time_ms(lambda f=f: f(hidden, second), device)
+                                  else None}, device, warm_up=())
+        times = {name: together["lmk_ops"] if name == "lmk_ops"
+                 else time_ms(lambda f=f: f(hidden, second), device, warm_up=name == "compiled")
                  for name, f in impls.items()}
     floor, mean_pool_ms = together["floor"], together["mean_pool"]
     results.append(Row(row_name, dtype_name, shape_str, "forward", times["lmk_ops"], times["eager"], times["compiled"],
                        floor, valid_bytes / times["lmk_ops"] / 1e6, mean_pool_ms))
     h, second = case.with_grad()
-    times = {name: time_ms(lambda f=f: forward_backward(f, h, second, case.grad), device)
+    times = {name: time_ms(lambda f=f: forward_backward(f, h, second, case.grad), device, warm_up=name == "compiled")
              for name, f in impls.items()}
     results.append(Row(row_name, dtype_name, shape_str, "forward+backward", times["lmk_ops"], times["eager"],
                        times["compiled"], floor, None))
@@ -439,7 +475,7 @@ def bench_packed(op, dtype_name, spec, device) -> list[PackedRow]:
     with torch.no_grad():
         times = time_together({"floor": lambda: memory["packed"].sum(), **{
             name: (lambda f=f, name=name: f(memory[tensor_of[name]], query)) if f is not None else None
-            for name, f in fns.items()}}, device, between_rounds=move)
+            for name, f in fns.items()}}, device, between_rounds=move, warm_up=())
     floor = times["floor"]
     batch = f"{len(lengths)} texts, {tokens}x{dim}"
     rows = [PackedRow(row_name, dtype_name, batch, "forward", times["ours"], times["padded"], times["segment_reduce"],
@@ -452,7 +488,7 @@ def bench_packed(op, dtype_name, spec, device) -> list[PackedRow]:
         return torch.autograd.grad(f(h, query_leaf), [t for t in (h, query_leaf) if t is not None], grad)
 
     times = time_together({name: (lambda f=f, name=name: differentiate(f, name)) if f is not None else None
-                           for name, f in fns.items()}, device, between_rounds=move)
+                           for name, f in fns.items()}, device, between_rounds=move, warm_up=())
     rows.append(PackedRow(row_name, dtype_name, batch, "forward+backward", times["ours"], times["padded"],
                           times["segment_reduce"], times["index_add"], times["index_add_fp32"], floor))
     return rows

@@ -779,6 +779,20 @@ def test_empty_sequences():
     minus_one = torch.full((2, 4), -1, dtype=torch.int32)
     assert torch.equal(reference.max_pool(hidden, return_indices=True)[1], minus_one)
     assert torch.equal(lmk_ops.max_pool(hidden, return_indices=True)[1], minus_one)
+    # Differentiable like any other result, in lmk_ops and in the reference alike: the gradient is hidden's empty one.
+    offsets = torch.zeros(3, dtype=torch.int32)
+    calls = {op: lambda m, h, op=op, **kw: getattr(m, op)(h, **kw) for op in
+             ("mean_pool", "max_pool", "first_token_pool", "last_token_pool")}
+    calls["landmark_mean"] = lambda m, h, **kw: m.landmark_mean(h, torch.full((2, 3), -1), **kw)
+    calls["landmark_gather"] = lambda m, h, **kw: m.landmark_gather(h, torch.full((2, 3), -1), **kw)[0]
+    calls["attention_pool"] = lambda m, h, **kw: m.attention_pool(h, None, torch.randn(4), **kw)
+    for name, call in calls.items():
+        for module in (lmk_ops, reference):
+            for leaf, packed in ((torch.randn(2, 0, 4, requires_grad=True), {}),
+                                 (torch.randn(0, 4, requires_grad=True), {"cu_seqlens": offsets})):
+                out = call(module, leaf, **packed)
+                (grad,) = torch.autograd.grad(out, leaf, torch.ones_like(out))
+                assert grad.shape == leaf.shape and torch.equal(out, torch.zeros_like(out)), (name, module, packed)
 
 
 def test_insert_landmarks_takes_integer_intervals_only():

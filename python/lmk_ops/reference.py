@@ -48,8 +48,10 @@ def mean_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = F
 
 
 def _no_tokens(hidden: Tensor) -> Tensor:
-    """The pooled zeros of a batch of texts of length 0 (argmax and amax refuse an empty dimension)."""
-    return hidden.new_zeros((hidden.shape[0], hidden.shape[2]))
+    """The pooled zeros of a batch of texts of length 0 (argmax and amax refuse an empty dimension): the sum over
+    no rows, so that they stay in hidden's graph, as lmk_ops' results do (a backward through them gives hidden its
+    empty gradient instead of failing)."""
+    return hidden.sum(dim=1)
 
 
 def max_pool(hidden: Tensor, mask: Tensor | None = None, *, normalize: bool = False, return_indices: bool = False,
@@ -125,7 +127,7 @@ def landmark_gather(hidden: Tensor, landmarks: Tensor, *, cu_seqlens: Tensor | N
     positions = _positions(landmarks)
     valid = positions >= 0
     if hidden.shape[1] == 0:  # nothing to gather from: every entry is -1
-        return hidden.new_zeros((hidden.shape[0], positions.shape[1], hidden.shape[2])), valid
+        return _no_tokens(hidden).unsqueeze(1).repeat(1, positions.shape[1], 1), valid
     index = positions.clamp(min=0).unsqueeze(-1).expand(-1, -1, hidden.shape[2])
     gathered = hidden.gather(1, index) * valid.unsqueeze(-1).to(hidden.dtype)
     return gathered, valid

@@ -127,10 +127,11 @@ def test_precompile_skips_its_workers_once_the_cache_holds_the_same_contenders(m
     assert len(submitted) == 6
 
 
-def test_precompile_fills_the_compile_cache_the_report_then_loads(monkeypatch):
+def test_precompile_fills_the_compile_cache_the_report_then_loads(monkeypatch, tmp_path):
     """The contenders compiled in worker processes (bench.precompile) are cache hits in the report's own process."""
     from torch._dynamo.utils import counters
 
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: no marker of an earlier run skips the workers
     monkeypatch.setattr(bench, "usable_cores", lambda: 2)  # two workers even on a one-core machine
     case = ("attention_pool@1h", "float32", (3, 19, 24))
     bench.precompile([case, ("mean_pool", "float32", (2, 7, 24))], "cpu", 0.0)

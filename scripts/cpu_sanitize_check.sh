@@ -7,8 +7,9 @@
 # code (a signed index that overflows, a shift too wide, a misaligned access, a float converted to an integer that
 # cannot hold it). The suite runs once with this CPU's kernels, then its kernel tests again with each narrower
 # kernel set (ATEN_CPU_CAPABILITY=avx2, default), so that the AVX2 and the plain C++ kernels are checked on an
-# AVX-512 machine too; each of those runs compiles into a cache folder of its own, since torch's compile cache is
-# not keyed by the capability (code generated for AVX-512 and built for AVX2 computes wrong values). A test that asks
+# AVX-512 machine too (on an AVX2 machine the plain C++ kernels only); each of those runs compiles into a cache
+# folder of its own, since torch's compile cache is not keyed by the capability (code generated for AVX-512 and
+# built for AVX2 computes wrong values). The tests run in worker processes (scripts/test_sets.sh). A test that asks
 # operator new for more memory than exists on purpose is left out (the exhausts_memory marker): ASan's operator new
 # aborts where the real one throws. Reports go to build/sanitize-reports; any report fails the check, but for ASan's
 # note of a request it refused. Needs .venv (scripts/setup.sh); extra arguments go to pytest.
@@ -41,14 +42,19 @@ if ! grep -q libasan <<<"$linked"; then
   echo "cpu_sanitize_check: expected the module to link libasan, but it does not: the sanitizer flags were lost" >&2
   exit 1
 fi
-checks=(-p no:cacheprovider -m "not exhausts_memory")
+source scripts/test_sets.sh
+checks=("${pytest_workers[@]}" -p no:cacheprovider -m "not exhausts_memory")
 status=0
 # The static checks (ruff, mypy) read sources only: nothing to sanitize.
 .venv/bin/python -m pytest -q tests "${checks[@]}" --deselect tests/test_lint.py --deselect tests/test_typing.py \
   "$@" || status=$?
-kernel_tests=(tests/test_pool_parity.py tests/test_attention_pool.py tests/test_landmark_ops.py tests/test_packed.py
-              tests/test_hostile.py tests/test_work_split.py)
-for capability in avx2 default; do
+native=$(.venv/bin/python -c "import lmk_ops; print(lmk_ops.build_info()['cpu_capability'])")
+case "$native" in
+  AVX512*) narrower=(avx2 default) ;;
+  AVX2) narrower=(default) ;;
+  *) narrower=() ;;
+esac
+for capability in "${narrower[@]}"; do
   if [ "$status" -eq 0 ]; then
     echo "cpu_sanitize_check: the kernel tests with ATEN_CPU_CAPABILITY=$capability"
     ATEN_CPU_CAPABILITY=$capability TORCHINDUCTOR_CACHE_DIR="$PWD/build/sanitize-inductor-$capability" \

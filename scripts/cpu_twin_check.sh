@@ -24,4 +24,7 @@ import lmk_ops
 info = lmk_ops.build_info()
 assert lmk_ops.__file__.startswith('$target') and info['cpu_twin'], (lmk_ops.__file__, info)
 print('lmk_ops CPU twin', info)"
-.venv/bin/python -m pytest -q tests -p no:cacheprovider "$@"
+source scripts/test_sets.sh
+# The static checks (ruff, mypy) read sources only: the build they would run against changes nothing.
+.venv/bin/python -m pytest -q "${pytest_workers[@]}" tests -p no:cacheprovider --deselect tests/test_lint.py \
+  --deselect tests/test_typing.py "$@"

@@ -32,9 +32,9 @@ started=$SECONDS
 build cpu OFF
 "$env_py" -m pip install -q --no-deps --target "$tmp/lib" "$tmp"/cpu/*.whl
 # From outside the checkout, so that the built package is imported (not python/lmk_ops).
-(cd "$tmp" && PYTHONPATH="$tmp/lib:$root/tests" "$env_py" -m pytest -q -p no:cacheprovider \
-  "$root/tests/test_pool_parity.py" "$root/tests/test_landmark_ops.py" "$root/tests/test_attention_pool.py" \
-  "$root/tests/test_packed.py" "$root/tests/test_errors.py" "$root/tests/test_work_split.py")
+source scripts/test_sets.sh
+(cd "$tmp" && PYTHONPATH="$tmp/lib:$root/tests" "$env_py" -m pytest -q "${pytest_workers[@]}" -p no:cacheprovider \
+  "${kernel_tests[@]/#/$root/}")
 build cuda ON
 echo "min_torch_build_check: built from source against torch $version (CPU, tested; CUDA sm_90, compiled)" \
   "in $((SECONDS - started)) s"

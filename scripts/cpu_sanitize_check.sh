@@ -45,9 +45,7 @@ fi
 source scripts/test_sets.sh
 checks=("${pytest_workers[@]}" -p no:cacheprovider -m "not exhausts_memory")
 status=0
-# The static checks (ruff, mypy) read sources only: nothing to sanitize.
-.venv/bin/python -m pytest -q tests "${checks[@]}" --deselect tests/test_lint.py --deselect tests/test_typing.py \
-  "$@" || status=$?
+.venv/bin/python -m pytest -q tests "${checks[@]}" "${without_static_checks[@]}" "$@" || status=$?
 native=$(.venv/bin/python -c "import lmk_ops; print(lmk_ops.build_info()['cpu_capability'])")
 case "$native" in
   AVX512*) narrower=(avx2 default) ;;

@@ -25,6 +25,4 @@ info = lmk_ops.build_info()
 assert lmk_ops.__file__.startswith('$target') and info['cpu_twin'], (lmk_ops.__file__, info)
 print('lmk_ops CPU twin', info)"
 source scripts/test_sets.sh
-# The static checks (ruff, mypy) read sources only: the build they would run against changes nothing.
-.venv/bin/python -m pytest -q "${pytest_workers[@]}" tests -p no:cacheprovider --deselect tests/test_lint.py \
-  --deselect tests/test_typing.py "$@"
+.venv/bin/python -m pytest -q "${pytest_workers[@]}" tests -p no:cacheprovider "${without_static_checks[@]}" "$@"

@@ -4,6 +4,7 @@
 // allocated; kernels write their elements.
 #include <torch/csrc/stable/tensor.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -16,6 +17,11 @@ using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float
 
 // The divisor's floor when pooled rows are normalised, as torch.nn.functional.normalize's eps.
 constexpr double kNormalizeEps = 1e-12;
+
+// Room for a value check's "expected ..." text (check_range's, OffsetChecks::message's), its terminating zero
+// included: the CUDA kernels take the text by value, as a kernel argument, to print it. A CPU twin build checks that
+// every text fits (common/host_path.h).
+constexpr std::size_t kDeviceMessageBytes = 512;
 
 // Which rows of each text an op reduces; produced by the input checks, consumed by the kernels. Every row (all
 // undefined), the rows where a contiguous bool [B, L] mask is true, the rows listed in contiguous int64 [B, K]

@@ -9,6 +9,7 @@
 
 #include "common/dispatch.h"
 #include "common/error.h"
+#include "common/host_path.h"
 #include "cpu/row_bytes.h"
 
 namespace lmk_ops::cpu {
@@ -250,6 +251,7 @@ RowListing list_rows(const RowSelection& selection, int64_t batch, int64_t seq_l
 
 void check_range(const Tensor& values, int64_t lo, int64_t hi, const Tensor& row_limits,
                  const std::string& expected, EntryName naming) {
+  twin_checks_message_fits(expected);
   const int64_t* data = values.const_data_ptr<int64_t>();
   const int64_t* limits = row_limits.defined() ? row_limits.const_data_ptr<int64_t>() : nullptr;
   const int64_t numel = values.numel(), cols = values.size(-1);
@@ -395,6 +397,11 @@ void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor
       n[b] = at(b + 1) - at(b);
     }
     if (checks != nullptr) {
+      if constexpr (kCpuTwin) {  // each message is built only to be measured: a release build skips it
+        for (int check = 0; check < 4; ++check) {  // OffsetCheck's four
+          twin_checks_message_fits(checks->message(static_cast<OffsetCheck>(check)));
+        }
+      }
       check_offsets(*checks, batch, at);
     }
   });

@@ -566,10 +566,22 @@ __global__ void shift_rows_kernel(const index_t* values, const int64_t* starts, 
 
 constexpr unsigned long long kNoFailure = ~0ull;
 
+// A check's text into a kernel argument's buffer (zeroed); one too long for it, which the CPU twin build's suite
+// would have refused, ends in "..." rather than being cut without a sign.
+void copy_message(const std::string& text, char (&into)[kDeviceMessageBytes]) {
+  if (text.size() < kDeviceMessageBytes) {
+    text.copy(into, text.size());
+    return;
+  }
+  const std::size_t kept = kDeviceMessageBytes - 4;
+  text.copy(into, kept);
+  std::copy_n("...", 3, into + kept);
+}
+
 // The messages of packed_offsets' checks (OffsetChecks::message), in OffsetCheck's order: a kernel argument, so the
 // texts travel by value.
 struct OffsetMessages {
-  char text[4][240];
+  char text[4][kDeviceMessageBytes];
 };
 
 // What packed_offsets checks: the last offset, the longest text; nothing where check is false.
@@ -737,7 +749,7 @@ void check_range(const Tensor& values, int64_t lo, int64_t hi, const Tensor& row
     return;
   }
   RangeMessage message{};
-  expected.copy(message.expected, sizeof(message.expected) - 1);
+  copy_message(expected, message.expected);
   message.naming = naming;
   message.flat = values.dim() == 1;
   const ValueRange range{lo, hi, row_limits.defined() ? row_limits.const_data_ptr<int64_t>() : nullptr,
@@ -892,7 +904,7 @@ void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor
     bounds.tokens = checks->tokens;
     bounds.longest = checks->longest;
     for (int check = 0; check < 4; ++check) {
-      checks->message(static_cast<OffsetCheck>(check)).copy(messages.text[check], sizeof(messages.text[check]) - 1);
+      copy_message(checks->message(static_cast<OffsetCheck>(check)), messages.text[check]);
     }
   }
   // One block (one launch) for the usual batch, up to 4 offsets a thread (each a load the thread waits for); a

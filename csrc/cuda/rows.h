@@ -9,7 +9,7 @@ namespace lmk_ops::cuda {
 
 // What report_out_of_range prints before ", got V ...": a kernel argument, so the text travels by value.
 struct RangeMessage {
-  char expected[240];
+  char expected[kDeviceMessageBytes];
   EntryName naming;
   bool flat;  // values of one dimension: "at [i]"
 };

@@ -84,6 +84,8 @@ enum class EntryName { kIndex, kLandmarks, kRow, kNone };
 // What a packed batch's offsets must hold (packed_offsets), in the order they are checked: cu_seqlens[0] = 0,
 // cu_seqlens[B] = tokens, every text's length cu_seqlens[b + 1] - cu_seqlens[b] >= 0 and at most longest.
 enum class OffsetCheck { kFirst, kLast, kOrder, kLongest };
+// How many there are: the CUDA kernel carries, and the CPU twin measures, one message for each.
+inline constexpr int kOffsetChecks = static_cast<int>(OffsetCheck::kLongest) + 1;
 struct OffsetChecks {
   const char* op;
   const char* tokens_are;  // what T is, for the message of a wrong last offset

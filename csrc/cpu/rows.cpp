@@ -398,7 +398,7 @@ void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor
     }
     if (checks != nullptr) {
       if constexpr (kCpuTwin) {  // each message is built only to be measured: a release build skips it
-        for (int check = 0; check < 4; ++check) {  // OffsetCheck's four
+        for (int check = 0; check < kOffsetChecks; ++check) {
           twin_checks_message_fits(checks->message(static_cast<OffsetCheck>(check)));
         }
       }

@@ -581,7 +581,7 @@ void copy_message(const std::string& text, char (&into)[kDeviceMessageBytes]) {
 // The messages of packed_offsets' checks (OffsetChecks::message), in OffsetCheck's order: a kernel argument, so the
 // texts travel by value.
 struct OffsetMessages {
-  char text[4][kDeviceMessageBytes];
+  char text[kOffsetChecks][kDeviceMessageBytes];
 };
 
 // What packed_offsets checks: the last offset, the longest text; nothing where check is false.
@@ -903,7 +903,7 @@ void packed_offsets(const Tensor& cu_seqlens, const OffsetChecks* checks, Tensor
   if (checks != nullptr) {
     bounds.tokens = checks->tokens;
     bounds.longest = checks->longest;
-    for (int check = 0; check < 4; ++check) {
+    for (int check = 0; check < kOffsetChecks; ++check) {
       copy_message(checks->message(static_cast<OffsetCheck>(check)), messages.text[check]);
     }
   }

@@ -347,3 +347,45 @@ def test_training_gives_the_same_losses_as_the_reference():
         assert model.pool.query.abs().sum() > 0, "the query did not move"
     torch.testing.assert_close(torch.tensor(losses["lmk_ops"]), torch.tensor(losses["reference"]), rtol=1e-4, atol=1e-5)
     assert losses["lmk_ops"][-1] < losses["lmk_ops"][0], "the model did not learn"
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_forward_mode_and_forward_over_reverse_match_the_reference(packed, heads, return_weights):
+    # The forward-mode rules of attention_pool and of its backward are closed forms (reference.attention_pool_jvp,
+    # attention_pool_backward_jvp): checked against torch.func's own forward mode of the plain-PyTorch reference,
+    # with NaN in masked rows, which count for nothing in lmk_ops (the reference is given zeros there), and a text
+    # without valid tokens.
+    gen = torch.Generator().manual_seed(heads + 2 * packed)
+    kw = {"cu_seqlens": torch.tensor([0, 3, 3, 9, 14])} if packed else {}
+    shape = (14, 8) if packed else (4, 6, 8)
+    hidden = torch.randn(shape, dtype=torch.float64, generator=gen)
+    mask = torch.rand(shape[:-1], generator=gen) < 0.7
+    mask[3:9] = False  # no valid token: text 2 packed, text 3 padded
+    hidden = hidden.masked_fill(~mask.unsqueeze(-1), float("nan"))
+    query = torch.randn((8,) if heads == 1 else (heads, 8 // heads), dtype=torch.float64, generator=gen)
+    tangents = (torch.randn(shape, dtype=torch.float64, generator=gen), torch.randn(query.shape, generator=gen,
+                                                                                 dtype=torch.float64))
+
+    def ours(h, q):
+        return lmk_ops.attention_pool(h, mask, q, return_weights=return_weights, **kw)
+
+    def theirs(h, q):
+        return reference.attention_pool(h.where(mask.unsqueeze(-1), 0.0), mask, q, return_weights=return_weights, **kw)
+
+    out = ours(hidden, query)
+    cotangents = tuple(torch.randn(o.shape, dtype=o.dtype, generator=gen) for o in (out if return_weights else (out,)))
+
+    def gradients(fn):
+        def of(h, q):
+            result, pullback = torch.func.vjp(fn, h, q)
+            return pullback(cotangents if return_weights else cotangents[0])
+        return of
+
+    for fn in (lambda f: f, gradients):  # forward mode, then forward over reverse
+        got = torch.func.jvp(fn(ours), (hidden, query), tangents)[1]
+        want = torch.func.jvp(fn(theirs), (hidden.nan_to_num(0.0), query), tangents)[1]
+        for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            assert torch.isfinite(g).all()
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)

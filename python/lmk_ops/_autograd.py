@@ -15,7 +15,7 @@ import torch
 
 from . import reference
 from ._checks import accumulation_dtype
-from ._dispatch import at_transform_level, call, register_autograd
+from ._dispatch import call, register_autograd
 
 ops = torch.ops.lmk_ops
 
@@ -275,9 +275,10 @@ def _attention_pool_backward(ctx, grad, _grad_stats, grad_weights):
     return grad_hidden, None, grad_query, None, None, None, None
 
 
-# The derivatives of attention pooling beyond its fused backward (forward mode, double backward: gradient penalties,
-# Hessian-vector products) run through the plain-PyTorch reference in the accumulation type: by torch.func inside its
-# transforms and in the forward-mode rules, by torch.autograd.grad otherwise (_vjp). Correct rather than fused.
+# The derivatives of attention pooling beyond its fused backward run in plain PyTorch in the accumulation type,
+# correct rather than fused: forward mode (of the op and of its backward: Hessian-vector products) in closed form
+# (reference.attention_pool_jvp, attention_pool_backward_jvp), the double backward (gradient penalties) through the
+# reference, by torch.func inside its transforms and by torch.autograd.grad otherwise (_vjp).
 def _reference_attention(ctx, mask, cu_seqlens):
     """(hidden, query) -> (out, weights) by the reference, for the op's mask, offsets and scale."""
     def forward(h, q):
@@ -292,28 +293,14 @@ def _widened(tensors, like, hidden):
     return tuple(torch.zeros_like(x, dtype=wide) if t is None else t.to(wide) for t, x in zip(tensors, like))
 
 
-def _jvp_by_vjps(f, primals, tangents):
-    """f's Jacobian at primals times tangents, by two reverse passes (u -> J^T u is linear, and its own pullback is
-    J): torch.func.jvp inside a forward-mode rule would nest forward mode, which PyTorch does not support."""
-    outputs, pullback = torch.func.vjp(f, *primals)
-    _, transposed = torch.func.vjp(lambda *u: pullback(u), *(torch.zeros_like(o) for o in outputs))
-    return transposed(tangents)
-
-
-def _refuse_at_transform_level(name):
-    """A rule that nests torch.func transforms cannot run inside the op's dispatcher kernel while a transform's level
-    is being processed (PyTorch's internal assert): only a torch.ops.lmk_ops.* call made directly gets there."""
-    if at_transform_level():
-        raise RuntimeError(f"lmk_ops.{name}: forward-mode AD (torch.func.jvp, jacfwd, hessian) of "
-                           f"torch.ops.lmk_ops.{name} called directly is not supported; call lmk_ops.attention_pool")
-
-
 def _attention_pool_jvp(ctx, hidden_tangent, _, query_tangent, *__):
-    _refuse_at_transform_level("attention_pool")
+    # In closed form, by plain operators (as the backward's, below): no torch.func transform nested inside the rule,
+    # which a direct call's rule, run at a transform's level, could not do.
     hidden, mask, query, _, _, cu_seqlens = ctx.saved_tensors
     primals = (hidden, query)
-    out, weights = _jvp_by_vjps(_reference_attention(ctx, mask, cu_seqlens), _widened(primals, primals, hidden),
-                                _widened((hidden_tangent, query_tangent), primals, hidden))
+    (h, q), (dh, dq) = _widened(primals, primals, hidden), _widened((hidden_tangent, query_tangent), primals, hidden)
+    out, weights = reference.attention_pool_jvp(h, mask, q, dh, dq, scale=ctx.scale, cu_seqlens=cu_seqlens,
+                                                max_seqlen=ctx.max_seqlen)
     weights = weights.reshape(ctx.weights_shape) if ctx.return_weights else _empty_tangent(weights, hidden.dtype)
     return out.to(hidden.dtype), None, weights
 
@@ -352,12 +339,13 @@ def _reference_attention_backward(ctx, mask, cu_seqlens):
 
 
 def _attention_pool_backward_jvp(ctx, grad_tangent, grad_weights_tangent, hidden_tangent, _, query_tangent, *__):
-    _refuse_at_transform_level("attention_pool_backward")
     grad, grad_weights, hidden, mask, query, cu_seqlens = ctx.saved_tensors
     like = (grad, hidden, query, *((grad_weights,) if ctx.has_grad_weights else ()))
     tangents = (grad_tangent, hidden_tangent, query_tangent, grad_weights_tangent)[:len(like)]
-    d_hidden, d_query = _jvp_by_vjps(_reference_attention_backward(ctx, mask, cu_seqlens), _widened(like, like, hidden),
-                                     _widened(tangents, like, hidden))
+    (g, h, q, *gw), (dg, dh, dq, *dgw) = _widened(like, like, hidden), _widened(tangents, like, hidden)
+    d_hidden, d_query = reference.attention_pool_backward_jvp(
+        g, gw[0] if gw else None, h, mask, q, dg, dgw[0] if dgw else None, dh, dq, scale=ctx.scale,
+        cu_seqlens=cu_seqlens, max_seqlen=ctx.max_seqlen)
     return d_hidden.to(hidden.dtype), d_query.to(query.dtype)
 
 

@@ -53,9 +53,9 @@ def register_autograd(name: str, backward, setup_context, jvp) -> None:
     The kernel is not torch.library.register_autograd's: that one has no forward-mode rule (the tangent of a dual
     tensor was dropped, silently) and a Function that torch.func's transforms refuse (no separate setup_context).
     Here a Function with all three runs at the autograd key, which a transform reaches with its level's tensors, as
-    a single-level Function (as PyTorch's own C++ autograd kernels run there). A rule that nests a transform of its
-    own (attention's forward-mode rules) cannot run there, and the ops a rule calls go through the dispatcher
-    (at_transform_level() says when)."""
+    a single-level Function (as PyTorch's own C++ autograd kernels run there). A rule must not nest a transform of
+    its own there (PyTorch's internal assert: attention's forward-mode rules are in closed form for that), and the
+    ops a rule calls go through the dispatcher (at_transform_level() says when)."""
     op = getattr(torch.ops.lmk_ops, name)
     schema = op.default._schema
     assert not any(a.kwarg_only for a in schema.arguments), f"{name}: the kernel passes every argument by position"

@@ -13,8 +13,9 @@ from torch import Tensor
 from ._checks import values_known
 
 __all__ = [
-    "attention_pool", "first_token_pool", "index_add_mean", "insert_landmarks", "last_token_pool", "landmark_gather",
-    "landmark_mean", "max_pool", "mean_pool", "padded_view", "scatter_max", "segment_max", "segment_mean",
+    "attention_pool", "attention_pool_backward_jvp", "attention_pool_jvp", "first_token_pool", "index_add_mean",
+    "insert_landmarks", "last_token_pool", "landmark_gather", "landmark_mean", "max_pool", "mean_pool", "padded_view",
+    "scatter_max", "segment_max", "segment_mean",
 ]
 
 
@@ -153,7 +154,17 @@ def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale:
         out, weights = result
         weights = weights[text, slot] if query.dim() == 1 else weights[text, :, slot].T
         return out, weights
-    batch, seq_len, dim = hidden.shape
+    states, _, _, _, weights = _attention_weights(hidden, mask, query, scale)
+    out = torch.einsum("bhl,blhd->bhd", weights.to(hidden.dtype), states).reshape(hidden.shape[0], hidden.shape[2])
+    if not return_weights:
+        return out
+    return out, weights.squeeze(1) if query.dim() == 1 else weights
+
+
+def _attention_weights(hidden: Tensor, mask: Tensor | None, query: Tensor, scale: float | None):
+    """A padded batch's attention: (states [B, L, H, D / H], heads [H, D / H], valid [B, 1, L], the scale, weights
+    [B, H, L])."""
+    batch, seq_len, _ = hidden.shape
     heads = query if query.dim() == 2 else query.unsqueeze(0)
     head_dim = heads.shape[1]
     scale = head_dim**-0.5 if scale is None else scale
@@ -164,11 +175,74 @@ def attention_pool(hidden: Tensor, mask: Tensor | None, query: Tensor, *, scale:
     # weights.
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(~valid, float("-inf"))
     scores = scores.masked_fill(~valid.any(-1, keepdim=True), 0.0)
-    weights = scores.softmax(-1) * valid
-    out = torch.einsum("bhl,blhd->bhd", weights.to(hidden.dtype), states).reshape(batch, dim)
-    if not return_weights:
-        return out
-    return out, weights.squeeze(1) if query.dim() == 1 else weights
+    return states, heads, valid, scale, scores.softmax(-1) * valid
+
+
+def attention_pool_jvp(hidden: Tensor, mask: Tensor | None, query: Tensor, hidden_tangent: Tensor,
+                       query_tangent: Tensor, *, scale: float | None = None, cu_seqlens: Tensor | None = None,
+                       max_seqlen: int | None = None) -> tuple[Tensor, Tensor]:
+    """The tangents of attention_pool's (out, weights) at (hidden, query) along (hidden_tangent, query_tangent), in
+    closed form: with p the weights and s the scores, dp = p * (ds - sum(p * ds)) and d out = sum(dp * h + p * dh).
+    Inputs and tangents of one floating dtype (float32 or wider); masked rows count for nothing, even non-finite
+    ones."""
+    if cu_seqlens is not None:
+        padded, valid, text, slot = padded_view(hidden, mask, cu_seqlens, max_seqlen)
+        padded_tangent = padded_view(hidden_tangent, mask, cu_seqlens, max_seqlen)[0]
+        out, weights = attention_pool_jvp(padded, valid, query, padded_tangent, query_tangent, scale=scale)
+        return out, weights[text, slot] if query.dim() == 1 else weights[text, :, slot].T
+    states, heads, valid, scale, weights = _attention_weights(hidden, mask, query, scale)
+    keep = valid.squeeze(1)[:, :, None, None]
+    states = states.where(keep, 0.0)
+    d_states = hidden_tangent.reshape(states.shape).where(keep, 0.0)
+    d_scores = (torch.einsum("blhd,hd->bhl", d_states, heads) +
+                torch.einsum("blhd,hd->bhl", states, query_tangent.reshape(heads.shape))) * scale
+    d_weights = weights * (d_scores - (weights * d_scores).sum(-1, keepdim=True))
+    out = torch.einsum("bhl,blhd->bhd", d_weights, states) + torch.einsum("bhl,blhd->bhd", weights, d_states)
+    return out.reshape(hidden.shape[0], hidden.shape[2]), d_weights.squeeze(1) if query.dim() == 1 else d_weights
+
+
+def attention_pool_backward_jvp(grad: Tensor, grad_weights: Tensor | None, hidden: Tensor, mask: Tensor | None,
+                                query: Tensor, grad_tangent: Tensor, grad_weights_tangent: Tensor | None,
+                                hidden_tangent: Tensor, query_tangent: Tensor, *, scale: float | None = None,
+                                cu_seqlens: Tensor | None = None,
+                                max_seqlen: int | None = None) -> tuple[Tensor, Tensor]:
+    """The tangents of attention_pool's gradients of (hidden, query) for the cotangents grad [B, D] and grad_weights
+    (the op's layout: [B, H, L], or [H, T] packed; None: none), along tangents of all four (forward over reverse), in
+    closed form. With p the weights, x the rows, s the scores and q the query, the gradients are p g + gs scale q and
+    scale sum(gs x), where gs = p * (gp - sum(p * gp)) and gp = <g, x> + grad_weights. Dtypes as attention_pool_jvp."""
+    if cu_seqlens is not None:
+        padded, valid, text, slot = padded_view(hidden, mask, cu_seqlens, max_seqlen)
+
+        def padded_weights(w: Tensor | None) -> Tensor | None:  # [H, T] -> [B, H, W], zero at padding
+            if w is None:
+                return None
+            out = w.new_zeros(valid.shape[0], w.shape[0], valid.shape[1])
+            out[text, :, slot] = w.T
+            return out
+        d_hidden, d_query = attention_pool_backward_jvp(
+            grad, padded_weights(grad_weights), padded, valid, query, grad_tangent,
+            padded_weights(grad_weights_tangent), padded_view(hidden_tangent, mask, cu_seqlens, max_seqlen)[0],
+            query_tangent, scale=scale)
+        return d_hidden[text, slot], d_query
+    states, heads, valid, scale, p = _attention_weights(hidden, mask, query, scale)
+    keep = valid.squeeze(1)[:, :, None, None]
+    x = states.where(keep, 0.0)
+    dx = hidden_tangent.reshape(x.shape).where(keep, 0.0)
+    d_heads = query_tangent.reshape(heads.shape)
+    g, dg = grad.reshape(p.shape[0], *heads.shape), grad_tangent.reshape(p.shape[0], *heads.shape)
+    ds = (torch.einsum("blhd,hd->bhl", dx, heads) + torch.einsum("blhd,hd->bhl", x, d_heads)) * scale
+    dp = p * (ds - (p * ds).sum(-1, keepdim=True))
+    gp = torch.einsum("bhd,blhd->bhl", g, x)
+    dgp = torch.einsum("bhd,blhd->bhl", dg, x) + torch.einsum("bhd,blhd->bhl", g, dx)
+    if grad_weights is not None and grad_weights_tangent is not None:
+        gp, dgp = gp + grad_weights.reshape(p.shape), dgp + grad_weights_tangent.reshape(p.shape)
+    centred = gp - (p * gp).sum(-1, keepdim=True)
+    gs = p * centred
+    dgs = dp * centred + p * (dgp - (dp * gp + p * dgp).sum(-1, keepdim=True))
+    d_hidden = (torch.einsum("bhl,bhd->blhd", dp, g) + torch.einsum("bhl,bhd->blhd", p, dg) +
+                (torch.einsum("bhl,hd->blhd", dgs, heads) + torch.einsum("bhl,hd->blhd", gs, d_heads)) * scale)
+    d_query = (torch.einsum("bhl,blhd->hd", dgs, x) + torch.einsum("bhl,blhd->hd", gs, dx)) * scale
+    return d_hidden.reshape(hidden.shape), d_query.reshape(query.shape)
 
 
 def insert_landmarks(input_ids: Tensor, attention_mask: Tensor | None = None, *, landmark_id: int, interval=32,

@@ -234,8 +234,10 @@ def attention_pool_backward_jvp(grad: Tensor, grad_weights: Tensor | None, hidde
     dp = p * (ds - (p * ds).sum(-1, keepdim=True))
     gp = torch.einsum("bhd,blhd->bhl", g, x)
     dgp = torch.einsum("bhd,blhd->bhl", dg, x) + torch.einsum("bhd,blhd->bhl", g, dx)
-    if grad_weights is not None and grad_weights_tangent is not None:
-        gp, dgp = gp + grad_weights.reshape(p.shape), dgp + grad_weights_tangent.reshape(p.shape)
+    if grad_weights is not None:
+        gp = gp + grad_weights.reshape(p.shape)
+    if grad_weights_tangent is not None:
+        dgp = dgp + grad_weights_tangent.reshape(p.shape)
     centred = gp - (p * gp).sum(-1, keepdim=True)
     gs = p * centred
     dgs = dp * centred + p * (dgp - (dp * gp + p * dgp).sum(-1, keepdim=True))

@@ -190,15 +190,24 @@ def attention_pool_jvp(hidden: Tensor, mask: Tensor | None, query: Tensor, hidde
         padded_tangent = padded_view(hidden_tangent, mask, cu_seqlens, max_seqlen)[0]
         out, weights = attention_pool_jvp(padded, valid, query, padded_tangent, query_tangent, scale=scale)
         return out, weights[text, slot] if query.dim() == 1 else weights[text, :, slot].T
-    states, heads, valid, scale, weights = _attention_weights(hidden, mask, query, scale)
+    x, dx, _, _, _, p, dp = _attention_tangents(hidden, mask, query, hidden_tangent, query_tangent, scale)
+    out = torch.einsum("bhl,blhd->bhd", dp, x) + torch.einsum("bhl,blhd->bhd", p, dx)
+    return out.reshape(hidden.shape[0], hidden.shape[2]), dp.squeeze(1) if query.dim() == 1 else dp
+
+
+def _attention_tangents(hidden: Tensor, mask: Tensor | None, query: Tensor, hidden_tangent: Tensor,
+                        query_tangent: Tensor, scale: float | None):
+    """A padded batch's attention and its tangent, the two forward-mode rules' common part: (rows x [B, L, H, D / H]
+    and their tangent dx, both zero at masked rows even where those are not finite; heads q [H, D / H] and dq; the
+    scale; weights p [B, H, L] and their tangent dp = p * (ds - sum(p * ds)))."""
+    states, heads, valid, scale, p = _attention_weights(hidden, mask, query, scale)
     keep = valid.squeeze(1)[:, :, None, None]
-    states = states.where(keep, 0.0)
-    d_states = hidden_tangent.reshape(states.shape).where(keep, 0.0)
-    d_scores = (torch.einsum("blhd,hd->bhl", d_states, heads) +
-                torch.einsum("blhd,hd->bhl", states, query_tangent.reshape(heads.shape))) * scale
-    d_weights = weights * (d_scores - (weights * d_scores).sum(-1, keepdim=True))
-    out = torch.einsum("bhl,blhd->bhd", d_weights, states) + torch.einsum("bhl,blhd->bhd", weights, d_states)
-    return out.reshape(hidden.shape[0], hidden.shape[2]), d_weights.squeeze(1) if query.dim() == 1 else d_weights
+    x = states.where(keep, 0.0)
+    dx = hidden_tangent.reshape(x.shape).where(keep, 0.0)
+    d_heads = query_tangent.reshape(heads.shape)
+    ds = (torch.einsum("blhd,hd->bhl", dx, heads) + torch.einsum("blhd,hd->bhl", x, d_heads)) * scale
+    dp = p * (ds - (p * ds).sum(-1, keepdim=True))
+    return x, dx, heads, d_heads, scale, p, dp
 
 
 def attention_pool_backward_jvp(grad: Tensor, grad_weights: Tensor | None, hidden: Tensor, mask: Tensor | None,
@@ -224,14 +233,9 @@ def attention_pool_backward_jvp(grad: Tensor, grad_weights: Tensor | None, hidde
             padded_weights(grad_weights_tangent), padded_view(hidden_tangent, mask, cu_seqlens, max_seqlen)[0],
             query_tangent, scale=scale)
         return d_hidden[text, slot], d_query
-    states, heads, valid, scale, p = _attention_weights(hidden, mask, query, scale)
-    keep = valid.squeeze(1)[:, :, None, None]
-    x = states.where(keep, 0.0)
-    dx = hidden_tangent.reshape(x.shape).where(keep, 0.0)
-    d_heads = query_tangent.reshape(heads.shape)
+    x, dx, heads, d_heads, scale, p, dp = _attention_tangents(hidden, mask, query, hidden_tangent, query_tangent,
+                                                              scale)
     g, dg = grad.reshape(p.shape[0], *heads.shape), grad_tangent.reshape(p.shape[0], *heads.shape)
-    ds = (torch.einsum("blhd,hd->bhl", dx, heads) + torch.einsum("blhd,hd->bhl", x, d_heads)) * scale
-    dp = p * (ds - (p * ds).sum(-1, keepdim=True))
     gp = torch.einsum("bhd,blhd->bhl", g, x)
     dgp = torch.einsum("bhd,blhd->bhl", dg, x) + torch.einsum("bhd,blhd->bhl", g, dx)
     if grad_weights is not None:

@@ -153,30 +153,36 @@ def test_gradients_arriving_as_misaligned_views_give_the_same_bits(device, name)
 def test_packed_texts_of_mixed_lengths_on_any_number_of_threads(op):
     # The CPU splits a call's (text, chunk, feature block) tasks over the threads by rows, not by count: with texts
     # of very different lengths (empty ones too), few chunks (so several feature blocks a chunk) and odd thread
-    # counts, every task must run once, and the result must be the reference's and the same bits on every count.
+    # counts, every task must run once, and the result and the gradients must be the reference's and the same bits
+    # on every count. (Attention's backward keeps a text of one chunk's sums apart from those of a text of several.)
     gen = torch.Generator().manual_seed(21)
     lengths = [0, 1, 700, 3, 0, 90, 1300, 17, 2, 0, 64, 5]
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     hidden = torch.randn(offsets[-1].item(), 1000, generator=gen)
     landmarks = torch.rand(hidden.shape[0], generator=gen) < 0.3
     query = torch.randn(8, 125, generator=gen)
-    call = {"mean_pool": lambda: lmk_ops.mean_pool(hidden, cu_seqlens=offsets),
-            "max_pool": lambda: lmk_ops.max_pool(hidden, cu_seqlens=offsets),
-            "landmark_mean": lambda: lmk_ops.landmark_mean(hidden, landmarks, cu_seqlens=offsets),
-            "attention_pool": lambda: lmk_ops.attention_pool(hidden, None, query, cu_seqlens=offsets)}[op]
-    expected = {"mean_pool": lambda: reference.mean_pool(hidden.double(), cu_seqlens=offsets),
-                "max_pool": lambda: reference.max_pool(hidden.double(), cu_seqlens=offsets),
-                "landmark_mean": lambda: reference.landmark_mean(hidden.double(), landmarks, cu_seqlens=offsets),
-                "attention_pool": lambda: reference.attention_pool(hidden.double(), None, query.double(),
-                                                                   cu_seqlens=offsets)}[op]()
+    upstream = torch.randn(len(lengths), 1000, generator=gen)
+    pool = {"mean_pool": lambda lib, h, q: lib.mean_pool(h, cu_seqlens=offsets),
+            "max_pool": lambda lib, h, q: lib.max_pool(h, cu_seqlens=offsets),
+            "landmark_mean": lambda lib, h, q: lib.landmark_mean(h, landmarks, cu_seqlens=offsets),
+            "attention_pool": lambda lib, h, q: lib.attention_pool(h, None, q, cu_seqlens=offsets)}[op]
+
+    def run(lib, dtype):
+        h, q = hidden.to(dtype).requires_grad_(), query.to(dtype).requires_grad_()
+        out = pool(lib, h, q)
+        leaves = [h, q] if op == "attention_pool" else [h]
+        return [out.detach(), *torch.autograd.grad(out, leaves, upstream.to(dtype))]
+
+    expected = run(reference, torch.float64)
     threads = torch.get_num_threads()
     try:
         results = []
         for n in (1, 2, 3, 5, 8):
             torch.set_num_threads(n)
-            results.append(call())
+            results.append(run(lmk_ops, torch.float32))
     finally:
         torch.set_num_threads(threads)
-    _close(results[0], expected, torch.float32)
+    for got, want in zip(results[0], expected):
+        _close(got, want, torch.float32)
     for other in results[1:]:
-        assert torch.equal(results[0], other)
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))

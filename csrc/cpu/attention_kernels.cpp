@@ -1077,25 +1077,34 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
   const CallScratch<wide, 4> err_scratch(row_texts * heads * seq_len);
   acc* prob = prob_scratch.data();
   wide* err = err_scratch.data();
-  // (Every chunk's sums are kept, a text of one chunk's too: plan.index numbers them.)
-  const CallScratch<wide, 0> part_pex(plan.chunks() * dim);
-  const CallScratch<wide, 1> part_px(plan.chunks() * dim);
+  // The feature sums of a text of several chunks are kept in its slots until the query pass combines them; a text
+  // of one chunk sums in the thread's scratch and leaves only its query-gradient share, in the accumulation type.
+  // (When every chunk kept its sums, 4096 texts of 8 rows, bfloat16, D = 384, wrote and read back 25 MB of float64
+  // sums, and the backward took 1.2-1.3x as long.) Every chunk's sums per head are kept (plan.index numbers them).
+  const CallScratch<wide, 0> part_pex(plan.slots() * dim);
+  const CallScratch<wide, 1> part_px(plan.slots() * dim);
   const CallScratch<wide, 2> part_pe(plan.chunks() * heads);
+  const CallScratch<acc, 5> shares(batch * dim);
   const int64_t unit = head_block_unit(heads, head_dim, plan.chunks());
   for_each_chunk(plan, list, dim, unit, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n,
                                             const ChunkRows& chunk_rows) {
-    const int64_t h0 = d0 / head_dim, block_heads = n / head_dim, part = plan.index(b, chunk);
+    const int64_t h0 = d0 / head_dim, block_heads = n / head_dim;
+    const bool one_chunk = list.rows(b) <= kChunkRows;
+    wide* own_sums = one_chunk ? thread_scratch<wide, 2>(2 * n) : nullptr;
+    wide* pex = one_chunk ? own_sums : part_pex.data() + plan.slot(b, chunk) * dim + d0;
+    wide* px = one_chunk ? own_sums + n : part_px.data() + plan.slot(b, chunk) * dim + d0;
+    wide* pe = part_pe.data() + plan.index(b, chunk) * heads + h0;
     // Rows add into the current run's sums (accumulation type), folded into the float64 partials every kFoldRows.
     acc* run = thread_scratch<acc, 0>(2 * n + block_heads);
     std::fill_n(run, 2 * n + block_heads, acc(0));
     acc* scores = thread_scratch<acc, 1>(block_heads);
-    std::fill_n(part_pex.data() + part * dim + d0, n, wide(0));
-    std::fill_n(part_px.data() + part * dim + d0, n, wide(0));
-    std::fill_n(part_pe.data() + part * heads + h0, block_heads, wide(0));
+    std::fill_n(pex, n, wide(0));
+    std::fill_n(px, n, wide(0));
+    std::fill_n(pe, block_heads, wide(0));
     const auto fold = [&] {
-      fold_chunk(part_pex.data() + part * dim + d0, run, n);
-      fold_chunk(part_px.data() + part * dim + d0, run + n, n);
-      fold_chunk(part_pe.data() + part * heads + h0, run + 2 * n, block_heads);
+      fold_chunk(pex, run, n);
+      fold_chunk(px, run + n, n);
+      fold_chunk(pe, run + 2 * n, block_heads);
     };
     const scalar_t* text = h + b * sb + d0 * sd;
     const acc* gb = g + b * dim + d0;
@@ -1106,9 +1115,6 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
     // finite; in float64 it cannot, and for float64 rows near float64's maximum neither in the extended type. Only
     // such rows, or inputs that are inf or NaN (which stay so), take this second read.
     const auto redo_wide = [&] {
-      wide* pex = part_pex.data() + part * dim + d0;
-      wide* px = part_px.data() + part * dim + d0;
-      wide* pe = part_pe.data() + part * heads + h0;
       std::fill_n(pex, n, wide(0));
       std::fill_n(px, n, wide(0));
       std::fill_n(pe, block_heads, wide(0));
@@ -1157,12 +1163,17 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
     });
     fold();
     const auto finite = [](wide t) { return std::isfinite(t); };
-    const wide* pex = part_pex.data() + part * dim + d0;
-    const wide* px = part_px.data() + part * dim + d0;
-    const wide* pe = part_pe.data() + part * heads + h0;
     if (!std::all_of(pex, pex + n, finite) || !std::all_of(px, px + n, finite) ||
         !std::all_of(pe, pe + block_heads, finite)) {
       redo_wide();
+    }
+    if (one_chunk) {  // S is the chunk's own sum: the text's share, as the query pass computes a longer text's
+      acc* share = shares.data() + b * dim + d0;
+      for (int64_t hh = 0; hh < block_heads; ++hh) {
+        for (int64_t i = hh * head_dim; i < (hh + 1) * head_dim; ++i) {
+          share[i] = static_cast<acc>(sc * (pex[i] - pe[hh] * px[i]));
+        }
+      }
     }
   });
   // Per (text, head): S = sum of p e over its chunks in order.
@@ -1180,9 +1191,10 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
     }
   });
   // The query gradient, split over features: feature i gets each text's share,
-  // scale * (sum p e (x - m) - S sum p (x - m)) (the sums over the text's chunks in order), added in text order: no
-  // atomics, the same bits whatever the thread count. (It was a [B, D] table of shares summed feature by feature
-  // down its columns afterwards, on one thread: a fifth of the backward's time for 4000 one-row texts.)
+  // scale * (sum p e (x - m) - S sum p (x - m)) (the sums over the text's chunks in order; a text of one chunk left
+  // its share), added in text order: no atomics, the same bits whatever the thread count. (Summed feature by feature
+  // down the columns of a [B, D] table of shares on one thread, it was a fifth of the backward's time for 4000
+  // one-row texts.)
   acc* gq = grad_query.mutable_data_ptr<acc>();
   const int64_t feature_grain = std::max<int64_t>(64, kMinParallelWork / (2 * plan.chunks() + 1));
   torch::stable::parallel_for(0, dim, feature_grain, [&](int64_t begin, int64_t end) {
@@ -1191,19 +1203,31 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
     std::fill_n(gq + begin, n, acc(0));
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t used = (list.rows(b) + kChunkRows - 1) / kChunkRows;
+      if (used <= 1) {
+        const acc* share = shares.data() + b * dim + begin;
+        for (int64_t i = 0; i < n; ++i) {
+          gq[begin + i] += share[i];
+        }
+        continue;
+      }
       std::fill(pex.begin(), pex.end(), wide(0));
       std::fill(px.begin(), px.end(), wide(0));
       for (int64_t c = 0; c < used; ++c) {
-        const wide* chunk_pex = part_pex.data() + plan.index(b, c) * dim + begin;
-        const wide* chunk_px = part_px.data() + plan.index(b, c) * dim + begin;
+        const wide* chunk_pex = part_pex.data() + plan.slot(b, c) * dim + begin;
+        const wide* chunk_px = part_px.data() + plan.slot(b, c) * dim + begin;
         for (int64_t i = 0; i < n; ++i) {
           pex[i] += chunk_pex[i];
           px[i] += chunk_px[i];
         }
       }
-      for (int64_t i = 0; i < n; ++i) {
-        const wide s = text_sums[b * heads + (begin + i) / head_dim];
-        gq[begin + i] += static_cast<acc>(sc * (pex[i] - s * px[i]));
+      // Head by head, S read once a head: an integer division per feature was ~3 ms of the backward of 4096 texts
+      // of 8 rows (bfloat16, D = 384).
+      for (int64_t i = 0; i < n;) {
+        const int64_t head = (begin + i) / head_dim, head_end = std::min(n, (head + 1) * head_dim - begin);
+        const wide s = text_sums[b * heads + head];
+        for (; i < head_end; ++i) {
+          gq[begin + i] += static_cast<acc>(sc * (pex[i] - s * px[i]));
+        }
       }
     }
   });

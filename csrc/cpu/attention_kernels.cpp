@@ -1085,11 +1085,15 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
   const CallScratch<wide, 1> part_px(plan.slots() * dim);
   const CallScratch<wide, 2> part_pe(plan.chunks() * heads);
   const CallScratch<acc, 5> shares(batch * dim);
+  const auto one_chunk_text = [&](int64_t b) { return list.rows(b) <= kChunkRows; };
+  // A text's share of feature i of the query gradient from its sums over all its rows (S: its head's): one formula
+  // for texts of one chunk and of several, so that a text's bits do not depend on its length class.
+  const auto query_share = [sc](wide pex, wide px, wide s) { return static_cast<acc>(sc * (pex - s * px)); };
   const int64_t unit = head_block_unit(heads, head_dim, plan.chunks());
   for_each_chunk(plan, list, dim, unit, [&](int64_t b, int64_t chunk, int64_t d0, int64_t n,
                                             const ChunkRows& chunk_rows) {
     const int64_t h0 = d0 / head_dim, block_heads = n / head_dim;
-    const bool one_chunk = list.rows(b) <= kChunkRows;
+    const bool one_chunk = one_chunk_text(b);
     wide* own_sums = one_chunk ? thread_scratch<wide, 2>(2 * n) : nullptr;
     wide* pex = one_chunk ? own_sums : part_pex.data() + plan.slot(b, chunk) * dim + d0;
     wide* px = one_chunk ? own_sums + n : part_px.data() + plan.slot(b, chunk) * dim + d0;
@@ -1171,7 +1175,7 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
       acc* share = shares.data() + b * dim + d0;
       for (int64_t hh = 0; hh < block_heads; ++hh) {
         for (int64_t i = hh * head_dim; i < (hh + 1) * head_dim; ++i) {
-          share[i] = static_cast<acc>(sc * (pex[i] - pe[hh] * px[i]));
+          share[i] = query_share(pex[i], px[i], pe[hh]);
         }
       }
     }
@@ -1202,14 +1206,14 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
     std::vector<wide> pex(n), px(n);
     std::fill_n(gq + begin, n, acc(0));
     for (int64_t b = 0; b < batch; ++b) {
-      const int64_t used = (list.rows(b) + kChunkRows - 1) / kChunkRows;
-      if (used <= 1) {
+      if (one_chunk_text(b)) {
         const acc* share = shares.data() + b * dim + begin;
         for (int64_t i = 0; i < n; ++i) {
           gq[begin + i] += share[i];
         }
         continue;
       }
+      const int64_t used = (list.rows(b) + kChunkRows - 1) / kChunkRows;
       std::fill(pex.begin(), pex.end(), wide(0));
       std::fill(px.begin(), px.end(), wide(0));
       for (int64_t c = 0; c < used; ++c) {
@@ -1226,7 +1230,7 @@ void attention_backward_typed(const Tensor& grad, const Tensor& grad_weights, co
         const int64_t head = (begin + i) / head_dim, head_end = std::min(n, (head + 1) * head_dim - begin);
         const wide s = text_sums[b * heads + head];
         for (; i < head_end; ++i) {
-          gq[begin + i] += static_cast<acc>(sc * (pex[i] - s * px[i]));
+          gq[begin + i] += query_share(pex[i], px[i], s);
         }
       }
     }

@@ -29,6 +29,11 @@ std::vector<int32_t> times_listed(const RowSelection& rows, int64_t batch, int64
   return times;
 }
 
+// Rows of `dim` features a parallel task takes: about 32K values' work each (at least one row).
+int64_t rows_per_task(int64_t dim) {
+  return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, dim));
+}
+
 // Writes every row of grad_hidden once, split over (b, l) rows: a row selected once is a copy of its text's
 // scaled gradient, an unselected row zeros (row_bytes.h), a row listed several times the scaled gradient times that
 // count.
@@ -40,7 +45,7 @@ void write_weighted_rows(const Tensor& scaled_wide, const times_t* times, const 
   using acc = acc_t<scalar_t>;
   const int64_t seq_len = grad_hidden.size(1), dim = grad_hidden.size(2);
   const acc* src_wide = scaled_wide.const_data_ptr<acc>();
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / dim), texts = scaled_wide.size(0);
+  const int64_t grain = rows_per_task(dim), texts = scaled_wide.size(0);
   // The gradient rows rounded to grad_hidden's dtype once, for the rows that copy them (split over the texts: on one
   // thread this was a third of the bfloat16 mean's backward for 4096 texts of 8 rows, D = 384).
   std::vector<scalar_t> narrow(std::is_same_v<scalar_t, acc> ? 0 : scaled_wide.numel());
@@ -85,7 +90,7 @@ void gather_rows(const Tensor& hidden, const Tensor& positions, const Tensor& st
   const scalar_t* h = hidden.const_data_ptr<scalar_t>();
   const int64_t* p = positions.const_data_ptr<int64_t>();
   scalar_t* o = out.mutable_data_ptr<scalar_t>();
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, dim));
+  const int64_t grain = rows_per_task(dim);
   torch::stable::parallel_for(0, out.size(0) * listed, grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t l = p[row];
@@ -294,7 +299,7 @@ void grad_over_counts(const Tensor& grad, const Tensor& counts, const Tensor& ma
     const scalar_t* g = grad.const_data_ptr<scalar_t>();
     // Split over the texts (B x D quotients: serial, they were a third of the mean's backward for 4096 texts of 8
     // rows, bfloat16, D = 384).
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(dim, 1));
+    const int64_t grain = rows_per_task(dim);
     const auto fill = [&](auto* out) {
       using out_t = std::remove_pointer_t<decltype(out)>;
       torch::stable::parallel_for(0, batch, grain, [&](int64_t first, int64_t last) {

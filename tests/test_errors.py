@@ -100,7 +100,7 @@ def test_backward_ops_trust_the_values_their_forward_checked_and_stay_inside_the
 
 LANDMARK_OPS = {
     "landmark_mean": lmk_ops.landmark_mean,
-    "landmark_gather": lambda hidden, landmarks: lmk_ops.landmark_gather(hidden, landmarks)[0],
+    "landmark_gather": lambda hidden, landmarks, **packed: lmk_ops.landmark_gather(hidden, landmarks, **packed)[0],
 }
 # (description, landmarks for hidden [2, 3, 4], message pattern after "lmk_ops.<op>: ")
 BAD_LANDMARKS = [
@@ -117,7 +117,7 @@ BAD_LANDMARKS = [
 ]
 
 
-@pytest.mark.parametrize("op", ["landmark_mean"])
+@pytest.mark.parametrize("op", LANDMARK_OPS)
 @pytest.mark.parametrize("case", BAD_LANDMARKS, ids=[c[0] for c in BAD_LANDMARKS])
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_bad_landmarks(op, case, device):
@@ -148,12 +148,14 @@ def test_landmarks_on_another_device(op):
             LANDMARK_OPS[op](torch.randn(2, 3, 4), landmarks)
 
 
-def test_landmark_gather_positions_must_be_int64():
-    for device in ("cpu", "meta"):
-        with pytest.raises(RuntimeError, match=r"^lmk_ops\.landmark_gather: expected landmark positions of dtype int64 "
-                                               r"\(padded with -1\), got Int"):
-            lmk_ops.landmark_gather(torch.randn(2, 3, 4, device=device),
-                                    torch.zeros(2, 1, dtype=torch.int32, device=device))
+def test_packed_landmarks_of_another_dtype_name_both_forms():
+    """An int8 or int32 landmark mask is neither form: landmark_gather named only the positions' dtype."""
+    hidden, offsets = torch.randn(5, 4), torch.tensor([0, 2, 5])
+    for op, fn in LANDMARK_OPS.items():
+        for dtype, name in ((torch.int8, "Char"), (torch.int32, "Int")):
+            with pytest.raises(RuntimeError, match=rf"^lmk_ops\.{op}: expected packed landmarks as a bool mask \[T\] or "
+                                                   rf"int64 positions \[B, K\] padded with -1, got {name}"):
+                fn(hidden, torch.ones(5, dtype=dtype), cu_seqlens=offsets)
 
 
 def test_landmark_backward_ops_check_their_inputs():

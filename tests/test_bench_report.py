@@ -9,6 +9,7 @@ import re
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -69,11 +70,11 @@ def test_time_together_takes_turns_and_keeps_none():
 
 
 def test_functions_that_compile_nothing_are_timed_from_their_first_call():
-    """Only a compiled function needs a warm-up call; an eager one slower than slow_ms is timed by its first call
-    alone (the report's slow eager baselines, once instead of twice)."""
+    """Only a compiled function needs a warm-up call; an eager one slower than slow_ms (and than once_over times the
+    fastest) is timed by its first call alone (the report's slow eager baselines, once instead of twice)."""
     calls = []
     times = bench.time_together({"eager": lambda: calls.append("eager"), "compiled": lambda: calls.append("compiled")},
-                                "cpu", slow_ms=-1.0, warm_up={"compiled"})
+                                "cpu", slow_ms=-1.0, once_over=0.0, warm_up={"compiled"})
     assert calls == ["eager", "compiled", "compiled"] and min(times.values()) >= 0
     calls.clear()
     bench.time_together({"a": lambda: calls.append("a")}, "cpu", min_time=0.0, min_rounds=2, block_ms=0.0, warm_up=())
@@ -81,6 +82,21 @@ def test_functions_that_compile_nothing_are_timed_from_their_first_call():
     calls.clear()
     assert bench.time_ms(lambda: calls.append("slow"), "cpu", slow_ms=-1.0, warm_up=False) >= 0
     assert calls == ["slow"]
+
+
+def test_a_slow_function_near_the_fastest_is_timed_in_turns_not_by_its_first_call():
+    """Over slow_ms, only a function more than once_over times slower than the fastest is timed once: the others'
+    ratios are what the report is read for, and a first call alone can be off by 2x."""
+    calls = []
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    bench.time_together(fns, "cpu", min_time=0.0, min_rounds=2, block_ms=0.0, slow_ms=-1.0, once_over=float("inf"),
+                        warm_up=())
+    assert calls == ["a", "b"] + ["a", "b"] * 2
+    calls.clear()
+    times = bench.time_together({"slow": lambda: (time.sleep(0.03), calls.append("slow")),
+                                 "fast": lambda: calls.append("fast")}, "cpu", min_time=0.0, min_rounds=2,
+                                block_ms=0.0, slow_ms=-1.0, once_over=1.0, warm_up=())
+    assert calls == ["slow", "fast"] + ["fast"] * 2 and times["slow"] >= 30.0
 
 
 class _FakeFuture:

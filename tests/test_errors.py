@@ -153,8 +153,8 @@ def test_packed_landmarks_of_another_dtype_name_both_forms():
     hidden, offsets = torch.randn(5, 4), torch.tensor([0, 2, 5])
     for op, fn in LANDMARK_OPS.items():
         for dtype, name in ((torch.int8, "Char"), (torch.int32, "Int")):
-            with pytest.raises(RuntimeError, match=rf"^lmk_ops\.{op}: expected packed landmarks as a bool mask \[T\] or "
-                                                   rf"int64 positions \[B, K\] padded with -1, got {name}"):
+            with pytest.raises(RuntimeError, match=rf"^lmk_ops\.{op}: expected packed landmarks as a bool mask "
+                                                   rf"\[T\] or int64 positions \[B, K\] padded with -1, got {name}"):
                 fn(hidden, torch.ones(5, dtype=dtype), cu_seqlens=offsets)
 
 

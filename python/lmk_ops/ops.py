@@ -233,19 +233,20 @@ def landmark_gather(hidden: Tensor, landmarks: Tensor, *, num_landmarks: int | N
     op = "landmark_gather"
     check_call(op, hidden, landmarks=landmarks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     mask_given = isinstance(landmarks, Tensor) and landmarks.dtype == torch.bool
-    # Landmarks of another dtype (an int8 or int32 mask) are named as landmark_mean names them: a bool mask or int64
-    # positions (the positions op alone would say only "expected landmark positions of dtype int64").
-    check_other_dtype = isinstance(landmarks, Tensor) and landmarks.dtype not in (torch.bool, torch.int64)
+    # Everything but int64 positions is checked here, so that landmarks of another dtype (an int8 or int32 mask) are
+    # named as landmark_mean names them: a bool mask or int64 positions (the positions op alone would say only
+    # "expected landmark positions of dtype int64").
+    not_positions = isinstance(landmarks, Tensor) and landmarks.dtype != torch.int64
     if cu_seqlens is not None:
         batch = check_packed(op, hidden, cu_seqlens, max_seqlen)
         if max_seqlen is not None:  # the gather needs no width, but a wrong hint is refused as by every op (the
             # checked offsets are used, so that torch.compile keeps the check)
             cu_seqlens = torch.ops.lmk_ops.packed_offsets(cu_seqlens, hidden.shape[0], max_seqlen, op)
-        if mask_given or check_other_dtype:
+        if not_positions:
             check_landmarks(op, landmarks, batch, hidden.shape[0], hidden, packed=True)
     else:
         check_hidden(op, hidden, max_seqlen)
-        if mask_given or check_other_dtype:
+        if not_positions:
             check_landmarks(op, landmarks, hidden.shape[0], hidden.shape[1], hidden)
     if mask_given:
         landmarks = _positions(op, landmarks, num_landmarks, cu_seqlens)

@@ -32,3 +32,18 @@ def test_pool(benchmark, contenders, op, mode, impl, dtype):
         benchmark(lambda: torch.autograd.grad(out, h, grad, retain_graph=True))
     else:
         benchmark(forward_backward, fn, hidden.requires_grad_(), mask, grad)
+
+
+def test_backward_rows_replay_a_graph_whatever_ran_first(contenders):
+    """The backward rows replay a compiled graph's backward with retain_graph=True; a forward+backward row of the same
+    graph running first on the worker made that fail (a backward compiled to donate its saved tensors) until the
+    bench conftest turned donated buffers off. This runs that order on purpose."""
+    fn = contenders("mean_pool")["compiled"]
+    hidden, mask = make_inputs((2, 8, 16), torch.float32, "cpu", padding=0.25)
+    grad = torch.randn(2, 16)
+    (expected,) = forward_backward(fn, hidden.clone().requires_grad_(), mask, grad)
+    h = hidden.clone().requires_grad_()
+    out = fn(h, mask)
+    for _ in range(2):
+        (got,) = torch.autograd.grad(out, h, grad, retain_graph=True)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)

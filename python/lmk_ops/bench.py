@@ -434,25 +434,34 @@ class PackedRow:
         return self.padded_ms / self.lmk_ops_ms
 
 
+# Copies of a packed batch (and of its padded twin) in separate memory; the packed rows' rounds take them in turn.
+PLACEMENTS = 3
+
+
 @functools.lru_cache(maxsize=2)
-def packed_inputs(spec, dtype_name, device) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor,
-                                                     torch.Tensor]:
-    """The packed batch `spec` (lengths, hidden [T, D], cu_seqlens) and the same texts padded (hidden, valid mask),
-    kept for the next op's case (the cases go op by op, both dtypes; nothing writes to them): drawing and padding the
-    120 texts' batch takes about 3 s, 40 s of a report on a 2-core AMD EPYC."""
+def packed_inputs(spec, dtype_name, device) -> tuple[list[int], torch.Tensor, torch.Tensor,
+                                                     tuple[dict[str, torch.Tensor], ...]]:
+    """The packed batch `spec`: lengths, cu_seqlens, the valid mask of the same texts padded (right) to the longest,
+    and PLACEMENTS copies of {"packed": hidden [T, D], "padded": the padded hidden}, each in memory of its own. Kept
+    for the next op's case (the cases go op by op, both dtypes; nothing writes to them): drawing and padding the 120
+    texts' batch takes about 3 s, 40 s of a report on a 2-core AMD EPYC; and the copies are made once here rather
+    than before every round, which was 19 of the 46 s that the 120 texts' float32 rows took on a 2-core AMD EPYC
+    Zen 4 (each copy of that batch and its padded twin, 1.1 GB, faults in its pages)."""
     lengths = packed_lengths(spec)
     drawn = torch.randn(sum(lengths), spec[2], generator=torch.Generator().manual_seed(1))
     hidden = drawn.to(device=device, dtype=DTYPES[dtype_name])
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     padded, valid, _, _ = reference.padded_view(hidden, None, offsets)
-    return lengths, hidden, offsets, padded, valid
+    first = {"packed": hidden, "padded": padded}
+    copies = tuple({key: t.clone() for key, t in first.items()} for _ in range(PLACEMENTS - 1))
+    return lengths, offsets, valid, (first, *copies)
 
 
 def bench_packed(op, dtype_name, spec, device) -> list[PackedRow]:
     """The forward and the forward+backward rows of op on the packed batch `spec`. Every contender is a function of
     (hidden, query): the packed [T, D] (for lmk_ops padded, the same texts padded) and attention's query (else
     None); forward+backward differentiates both, as the padded rows do."""
-    lengths, hidden, offsets, padded, valid = packed_inputs(spec, dtype_name, device)
+    lengths, offsets, valid, placements = packed_inputs(spec, dtype_name, device)
     dtype, dim = DTYPES[dtype_name], spec[2]
     tokens = sum(lengths)
     longest = max(lengths)
@@ -478,19 +487,22 @@ def bench_packed(op, dtype_name, spec, device) -> list[PackedRow]:
     contenders = {name: (lambda h, q, f=f: f(h)) if f is not None else None
                   for name, f in packed_contenders(op, offsets, landmarks).items()}
     fns = {"ours": ours, "padded": theirs, **contenders}
-    # Each function's input by name ("padded": the padded copy, the rest the packed one), moved to fresh memory
-    # between rounds: on a virtual machine one tensor reads up to 1.7x slower than another of the same size by where
-    # its pages land, and packed and padded are two tensors, so one placement each would time the placement.
-    memory = {"packed": hidden, "padded": padded}
+    # Each function's input by name ("padded": the padded copy, the rest the packed one), in another placement each
+    # round: on a virtual machine one tensor reads up to 1.7x slower than another of the same size by where its
+    # pages land, and packed and padded are two tensors, so one placement each would time the placement.
     tensor_of = {name: "padded" if name == "padded" else "packed" for name in fns}
+    turn = 0
 
     def move() -> None:
-        for key in memory:
-            memory[key] = memory[key].clone()
+        nonlocal turn
+        turn += 1
+
+    def memory(key: str) -> torch.Tensor:
+        return placements[turn % len(placements)][key]
 
     with torch.no_grad():
-        times = time_together({"floor": lambda: memory["packed"].sum(), **{
-            name: (lambda f=f, name=name: f(memory[tensor_of[name]], query)) if f is not None else None
+        times = time_together({"floor": lambda: memory("packed").sum(), **{
+            name: (lambda f=f, name=name: f(memory(tensor_of[name]), query)) if f is not None else None
             for name, f in fns.items()}}, device, between_rounds=move, warm_up=())
     floor = times["floor"]
     batch = f"{len(lengths)} texts, {tokens}x{dim}"
@@ -500,7 +512,7 @@ def bench_packed(op, dtype_name, spec, device) -> list[PackedRow]:
     query_leaf = None if query is None else query.clone().requires_grad_()
 
     def differentiate(f, name):
-        h = memory[tensor_of[name]].detach().requires_grad_()
+        h = memory(tensor_of[name]).detach().requires_grad_()
         return torch.autograd.grad(f(h, query_leaf), [t for t in (h, query_leaf) if t is not None], grad)
 
     times = time_together({name: (lambda f=f, name=name: differentiate(f, name)) if f is not None else None

@@ -61,12 +61,13 @@ def test_time_together_takes_turns_and_keeps_none():
     times = bench.time_together({"a": lambda: calls.append("a"), "b": lambda: calls.append("b"), "c": None}, "cpu",
                                 min_time=0.0, min_rounds=3, block_ms=0.0)
     assert times["c"] is None and times["a"] >= 0 and times["b"] >= 0
-    # A warm-up call and a first call each, then rounds of one block (here one call) of each in turn.
-    assert calls == ["a", "a", "b", "b"] + ["a", "b"] * 3
+    # A warm-up call of each, then a first call of each (so that every first call comes after all the warm-ups),
+    # then rounds of one block (here one call) of each in turn.
+    assert calls == ["a", "b", "a", "b"] + ["a", "b"] * 3
     calls.clear()
     bench.time_together({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, "cpu", min_time=0.0,
                         min_rounds=3, block_ms=0.0, between_rounds=lambda: calls.append("move"))
-    assert calls == ["a", "a", "b", "b"] + ["a", "b", "move", "a", "b", "move", "a", "b"]
+    assert calls == ["a", "b", "a", "b"] + ["a", "b", "move", "a", "b", "move", "a", "b"]
 
 
 def test_functions_that_compile_nothing_are_timed_from_their_first_call():
@@ -75,7 +76,7 @@ def test_functions_that_compile_nothing_are_timed_from_their_first_call():
     calls = []
     times = bench.time_together({"eager": lambda: calls.append("eager"), "compiled": lambda: calls.append("compiled")},
                                 "cpu", slow_ms=-1.0, once_over=0.0, warm_up={"compiled"})
-    assert calls == ["eager", "compiled", "compiled"] and min(times.values()) >= 0
+    assert calls == ["compiled", "eager", "compiled"] and min(times.values()) >= 0  # the warm-ups come first
     calls.clear()
     bench.time_together({"a": lambda: calls.append("a")}, "cpu", min_time=0.0, min_rounds=2, block_ms=0.0, warm_up=())
     assert calls == ["a"] + ["a"] * 2  # a fast first call is the warm-up: the rounds follow as before
@@ -97,6 +98,11 @@ def test_a_slow_function_near_the_fastest_is_timed_in_turns_not_by_its_first_cal
                                  "fast": lambda: calls.append("fast")}, "cpu", min_time=0.0, min_rounds=2,
                                 block_ms=0.0, slow_ms=-1.0, once_over=1.0, warm_up=())
     assert calls == ["slow", "fast"] + ["fast"] * 2 and times["slow"] >= 30.0
+    calls.clear()  # the function under test is timed in turns however slow its first call
+    times = bench.time_together({"slow": lambda: (time.sleep(0.03), calls.append("slow")),
+                                 "fast": lambda: calls.append("fast")}, "cpu", min_time=0.0, min_rounds=2,
+                                block_ms=0.0, slow_ms=-1.0, once_over=1.0, warm_up=(), in_turns={"slow"})
+    assert calls == ["slow", "fast"] + ["slow", "fast"] * 2 and times["slow"] >= 30.0
 
 
 class _FakeFuture:

@@ -156,7 +156,8 @@ def _first_call_ms(fn, device: str, warm_up: bool) -> float:
 
 
 def time_together(fns: dict, device: str, min_time=0.3, min_rounds=3, block_ms=20.0, slow_ms=100.0, once_over=3.0,
-                  between_rounds: Callable[[], None] | None = None, warm_up: Collection[str] | None = None) -> dict:
+                  between_rounds: Callable[[], None] | None = None, warm_up: Collection[str] | None = None,
+                  in_turns: Collection[str] = ()) -> dict:
     """Median milliseconds of each function (None stays None), timed in turns: each round calls every function for
     about block_ms in a row, so that all see the same state of the machine (a ratio of two of them, lmk_ops over
     hidden.sum() or packed over padded, then holds where timings taken minutes apart drift by 10-30% on a shared
@@ -166,12 +167,23 @@ def time_together(fns: dict, device: str, min_time=0.3, min_rounds=3, block_ms=2
     the fastest is precise enough for its ratio, and the report keeps to its time. One nearer the fastest is timed
     in turns like the rest, since its first call alone can be far off: lmk_ops' packed forward+backward, 61-72 ms
     over later calls, took 141 ms on one first call, which the report then set against its contenders' 73 ms.
-    warm_up: the names of the functions that need a warm-up call (that compile); None: every one. The others'
-    first call is timed. between_rounds, if given, runs between two rounds, untimed."""
-    first = {name: _first_call_ms(fn, device, warm_up is None or name in warm_up)
-             for name, fn in fns.items() if fn is not None}
+    warm_up: the names of the functions that get an untimed call first (that compile, or whose calls fault in
+    memory for all); None: every one. These calls all come before the first timed call of any: on a virtual
+    machine that hands freed memory back to its host (free page reporting), the first few large allocations after a
+    pause or after a process grows fault in pages about 4x slower (a 388 MB tensor on a 2-core AMD EPYC Zen 4: 570
+    against 130 ms), and a first call timed on such memory, kept as a slow contender's one time, once made lmk_ops'
+    packed forward+backward 0.2x its contenders. The others' first call is timed. in_turns: the names of the
+    functions timed in turns however slow their first call (lmk_ops' own, whose times the row reports: a first call
+    can still find cold memory). between_rounds, if given, runs between two rounds, untimed."""
+    for name, fn in fns.items():  # on a GPU every function: a first call also loads kernels (_first_call_ms)
+        if fn is not None and (warm_up is None or name in warm_up or device == "cuda"):
+            fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    first = {name: call_ms(fn, device) for name, fn in fns.items() if fn is not None}
     fastest = min(first.values(), default=0.0)
-    turns = {name: fns[name] for name, ms in first.items() if ms <= slow_ms or ms <= once_over * fastest}
+    turns = {name: fns[name] for name, ms in first.items()
+             if ms <= slow_ms or ms <= once_over * fastest or name in in_turns}
     calls = {name: calls_per_sample(first[name], device) for name in turns}
     samples: dict[str, list[float]] = {name: [] for name in turns}
     rounds, spent = 0, 0.0
@@ -377,7 +389,7 @@ def bench_case(op, dtype_name, shape, device, padding) -> list[Row]:
                        floor, valid_bytes / times["lmk_ops"] / 1e6, mean_pool_ms))
     h, second = case.with_grad()
     times = time_together({name: lambda f=f: forward_backward(f, h, second, case.grad) for name, f in impls.items()},
-                          device, warm_up={"compiled"})
+                          device, warm_up={"compiled"}, in_turns={"lmk_ops"})
     results.append(Row(row_name, dtype_name, shape_str, "forward+backward", times["lmk_ops"], times["eager"],
                        times["compiled"], floor, None))
     return results
@@ -516,7 +528,8 @@ def bench_packed(op, dtype_name, spec, device) -> list[PackedRow]:
         return torch.autograd.grad(f(h, query_leaf), [t for t in (h, query_leaf) if t is not None], grad)
 
     times = time_together({name: (lambda f=f, name=name: differentiate(f, name)) if f is not None else None
-                           for name, f in fns.items()}, device, between_rounds=move, warm_up=())
+                           for name, f in fns.items()}, device, between_rounds=move, warm_up={"ours", "padded"},
+                          in_turns={"ours", "padded"})
     rows.append(PackedRow(row_name, dtype_name, batch, "forward+backward", times["ours"], times["padded"],
                           times["segment_reduce"], times["index_add"], times["index_add_fp32"], floor))
     return rows

@@ -171,10 +171,11 @@ def time_together(fns: dict, device: str, min_time=0.3, min_rounds=3, block_ms=2
     memory for all); None: every one. These calls all come before the first timed call of any: on a virtual
     machine that hands freed memory back to its host (free page reporting), the first few large allocations after a
     pause or after a process grows fault in pages about 4x slower (a 388 MB tensor on a 2-core AMD EPYC Zen 4: 570
-    against 130 ms), and a first call timed on such memory, kept as a slow contender's one time, once made lmk_ops'
-    packed forward+backward 0.2x its contenders. The others' first call is timed. in_turns: the names of the
-    functions timed in turns however slow their first call (lmk_ops' own, whose times the row reports: a first call
-    can still find cold memory). between_rounds, if given, runs between two rounds, untimed."""
+    against 130 ms), and a first call timed on such memory, kept as a slow contender's one time, made lmk_ops'
+    packed forward+backward 0.2x its contenders while 92b1a1b kept the packed batches in fixed memory. The others'
+    first call is timed. in_turns: the names of the functions timed in turns however slow their first call
+    (lmk_ops' own, whose times the row reports: a first call can still find cold memory). between_rounds, if given,
+    runs between two rounds, untimed."""
     for name, fn in fns.items():  # on a GPU every function: a first call also loads kernels (_first_call_ms)
         if fn is not None and (warm_up is None or name in warm_up or device == "cuda"):
             fn()
@@ -446,34 +447,25 @@ class PackedRow:
         return self.padded_ms / self.lmk_ops_ms
 
 
-# Copies of a packed batch (and of its padded twin) in separate memory; the packed rows' rounds take them in turn.
-PLACEMENTS = 3
-
-
 @functools.lru_cache(maxsize=2)
-def packed_inputs(spec, dtype_name, device) -> tuple[list[int], torch.Tensor, torch.Tensor,
-                                                     tuple[dict[str, torch.Tensor], ...]]:
-    """The packed batch `spec`: lengths, cu_seqlens, the valid mask of the same texts padded (right) to the longest,
-    and PLACEMENTS copies of {"packed": hidden [T, D], "padded": the padded hidden}, each in memory of its own. Kept
-    for the next op's case (the cases go op by op, both dtypes; nothing writes to them): drawing and padding the 120
-    texts' batch takes about 3 s, 40 s of a report on a 2-core AMD EPYC; and the copies are made once here rather
-    than before every round, which was 19 of the 46 s that the 120 texts' float32 rows took on a 2-core AMD EPYC
-    Zen 4 (each copy of that batch and its padded twin, 1.1 GB, faults in its pages)."""
+def packed_inputs(spec, dtype_name, device) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor,
+                                                     torch.Tensor]:
+    """The packed batch `spec` (lengths, hidden [T, D], cu_seqlens) and the same texts padded (hidden, valid mask),
+    kept for the next op's case (the cases go op by op, both dtypes; nothing writes to them): drawing and padding the
+    120 texts' batch takes about 3 s, 40 s of a report on a 2-core AMD EPYC."""
     lengths = packed_lengths(spec)
     drawn = torch.randn(sum(lengths), spec[2], generator=torch.Generator().manual_seed(1))
     hidden = drawn.to(device=device, dtype=DTYPES[dtype_name])
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     padded, valid, _, _ = reference.padded_view(hidden, None, offsets)
-    first = {"packed": hidden, "padded": padded}
-    copies = tuple({key: t.clone() for key, t in first.items()} for _ in range(PLACEMENTS - 1))
-    return lengths, offsets, valid, (first, *copies)
+    return lengths, hidden, offsets, padded, valid
 
 
 def bench_packed(op, dtype_name, spec, device) -> list[PackedRow]:
     """The forward and the forward+backward rows of op on the packed batch `spec`. Every contender is a function of
     (hidden, query): the packed [T, D] (for lmk_ops padded, the same texts padded) and attention's query (else
     None); forward+backward differentiates both, as the padded rows do."""
-    lengths, offsets, valid, placements = packed_inputs(spec, dtype_name, device)
+    lengths, hidden, offsets, padded, valid = packed_inputs(spec, dtype_name, device)
     dtype, dim = DTYPES[dtype_name], spec[2]
     tokens = sum(lengths)
     longest = max(lengths)
@@ -499,22 +491,19 @@ def bench_packed(op, dtype_name, spec, device) -> list[PackedRow]:
     contenders = {name: (lambda h, q, f=f: f(h)) if f is not None else None
                   for name, f in packed_contenders(op, offsets, landmarks).items()}
     fns = {"ours": ours, "padded": theirs, **contenders}
-    # Each function's input by name ("padded": the padded copy, the rest the packed one), in another placement each
-    # round: on a virtual machine one tensor reads up to 1.7x slower than another of the same size by where its
-    # pages land, and packed and padded are two tensors, so one placement each would time the placement.
+    # Each function's input by name ("padded": the padded copy, the rest the packed one), moved to fresh memory
+    # between rounds: on a virtual machine one tensor reads up to 1.7x slower than another of the same size by where
+    # its pages land, and packed and padded are two tensors, so one placement each would time the placement.
+    memory = {"packed": hidden, "padded": padded}
     tensor_of = {name: "padded" if name == "padded" else "packed" for name in fns}
-    turn = 0
 
     def move() -> None:
-        nonlocal turn
-        turn += 1
-
-    def memory(key: str) -> torch.Tensor:
-        return placements[turn % len(placements)][key]
+        for key in memory:
+            memory[key] = memory[key].clone()
 
     with torch.no_grad():
-        times = time_together({"floor": lambda: memory("packed").sum(), **{
-            name: (lambda f=f, name=name: f(memory(tensor_of[name]), query)) if f is not None else None
+        times = time_together({"floor": lambda: memory["packed"].sum(), **{
+            name: (lambda f=f, name=name: f(memory[tensor_of[name]], query)) if f is not None else None
             for name, f in fns.items()}}, device, between_rounds=move, warm_up=())
     floor = times["floor"]
     batch = f"{len(lengths)} texts, {tokens}x{dim}"
@@ -524,7 +513,7 @@ def bench_packed(op, dtype_name, spec, device) -> list[PackedRow]:
     query_leaf = None if query is None else query.clone().requires_grad_()
 
     def differentiate(f, name):
-        h = memory(tensor_of[name]).detach().requires_grad_()
+        h = memory[tensor_of[name]].detach().requires_grad_()
         return torch.autograd.grad(f(h, query_leaf), [t for t in (h, query_leaf) if t is not None], grad)
 
     times = time_together({name: (lambda f=f, name=name: differentiate(f, name)) if f is not None else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import pathlib
 import subprocess
@@ -149,18 +150,32 @@ def test_precompile_skips_its_workers_once_the_cache_holds_the_same_contenders(m
     assert len(submitted) == 6
 
 
-def test_precompile_fills_the_compile_cache_the_report_then_loads(monkeypatch, tmp_path):
-    """The contenders compiled in worker processes (bench.precompile) are cache hits in the report's own process."""
-    from torch._dynamo.utils import counters
+# Run as a script: its __main__ holds `torch` as `python -m lmk_ops.bench`'s does, so its spawned workers re-import
+# it as __mp_main__, the module whose place in sys.modules changed their compile cache keys (bench._compile_cases).
+PRECOMPILE_THEN_LOAD = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from lmk_ops import bench
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: no marker of an earlier run skips the workers
-    monkeypatch.setattr(bench, "usable_cores", lambda: 2)  # two workers even on a one-core machine
+if __name__ == "__main__":
+    bench.usable_cores = lambda: 2  # two workers even on a one-core machine
     case = ("attention_pool@1h", "float32", (3, 19, 24))
     bench.precompile([case, ("mean_pool", "float32", (2, 7, 24))], "cpu", 0.0)
-    torch._dynamo.reset()
     counters.clear()
     bench._compile_cases([case], "cpu", 0.0, torch.get_num_threads())
-    assert counters["inductor"]["fxgraph_cache_hit"] >= 1 and counters["inductor"]["fxgraph_cache_miss"] == 0
+    print(json.dumps(dict(counters["inductor"])))
+"""
+
+
+def test_precompile_fills_the_compile_cache_the_report_then_loads(tmp_path):
+    """The contenders compiled in worker processes (bench.precompile) are cache hits in the report's own process."""
+    script = tmp_path / "precompile_then_load.py"
+    script.write_text(PRECOMPILE_THEN_LOAD)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}  # empty: no marker skips the workers
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    inductor = json.loads(done.stdout.strip().splitlines()[-1])
+    assert inductor.get("fxgraph_cache_hit", 0) >= 1 and inductor.get("fxgraph_cache_miss", 0) == 0, inductor
 
 
 @pytest.mark.parametrize("environ,separate", [

@@ -290,7 +290,19 @@ def case_inputs(op, dtype_name, shape, device, padding) -> Case:
 def _compile_cases(cases, device, padding, threads) -> None:
     """Compiles (and runs once) the torch.compile contender of each case, forward and forward+backward, with the
     report's thread count (inductor generates its CPU kernels for it, and a cache entry is only found again under
-    the same count)."""
+    the same count).
+
+    In a spawned worker the report's main module, re-imported as __mp_main__, first goes to the end of sys.modules:
+    torch's compile cache keys pickle each torch.memory_format through the first module in sys.modules that holds
+    `torch` (the C pickler's whichmodule skips __main__ but not __mp_main__), which was __mp_main__ in the workers and
+    torch._utils in the report's process, so every graph the workers compiled missed the cache there and was lowered
+    again (torch 2.13; g++ was spared by its own cache). And each worker compiles in its own process: the workers are
+    the parallelism, and inductor's pool of compile subprocesses per worker only added its start-up."""
+    if "__mp_main__" in sys.modules:
+        sys.modules["__mp_main__"] = sys.modules.pop("__mp_main__")
+        from torch._inductor import config as inductor_config
+
+        inductor_config.compile_threads = 1
     torch.set_num_threads(threads)
     for op, dtype_name, shape in cases:
         case = case_inputs(op, dtype_name, shape, device, padding)

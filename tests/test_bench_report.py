@@ -153,7 +153,7 @@ def test_precompile_skips_its_workers_once_the_cache_holds_the_same_contenders(m
 # Run as a script: its __main__ holds `torch` as `python -m lmk_ops.bench`'s does, so its spawned workers re-import
 # it as __mp_main__, the module whose place in sys.modules changed their compile cache keys (bench._compile_cases).
 PRECOMPILE_THEN_LOAD = """
-import json, sys, torch
+import json, torch
 from torch._dynamo.utils import counters
 from lmk_ops import bench
 

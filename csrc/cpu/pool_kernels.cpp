@@ -68,6 +68,13 @@ inline void keep_max(Vec<acc>& best, Vec<same_size_int<acc>>& where, Vec<acc> x,
 // prefetches, time over an index_add's on the same packed batch of 120 texts x 768: the mean 1.03-1.06x ->
 // 0.97-1.04x (float32), 1.13-1.30x -> 0.98-1.00x (bfloat16); the maximum 1.19-1.21x -> 1.02-1.06x, 1.26-1.33x ->
 // 1.08-1.10x; the float32 maximum at 1x32768x1024 1.34-1.45x -> 1.12-1.19x hidden.sum()'s time.)
+// Tried and not kept (Zen 4, 2026-12-03): the four rows read one after another instead of side by side (r0 and r1
+// summed through an L1 buffer, then r2 + r3, then the group added: the same additions, the same bits) and without
+// software prefetches, so that a packed text is one forward stream as for index_add. One thread, the packed 120 texts
+// x 768 float32, third-fastest of 15 calls, three processes in turn: 1.45-1.46x -> 1.27-1.37x hidden.sum()'s time
+// (index_add in float32 1.28-1.42x); but two threads, as the report runs, fourth-fastest of 25: time over that
+// index_add's 0.89-0.91 -> 0.92-0.95, 32x512x768 1.30-1.41x -> 1.37-1.62x hidden.sum()'s, 1x32768x1024 1.03-1.17x
+// -> 1.10-1.64x.
 constexpr int kFoldRows = 32;
 
 // The hardware prefetchers alone left the mean and the maximum waiting on memory after each row: on one thread

@@ -7,7 +7,8 @@
 // warps (a wide head), summed by a butterfly within the warp and then, for a wide head, across its warps in order
 // through shared memory. Every lane of a head so holds the same bits of each score, and the backward, which uses the
 // same layout and the same head_sums, recomputes the forward's scores bit for bit. Y row lanes take rows y, y + Y,
-// ... of the chunk, kRowsInFlight / packs at a time, with an online softmax each; they are merged in order, and the
+// ... of the chunk (their indices staged in shared memory first: stage_chunk_rows), kRowsInFlight / packs at a time,
+// with an online softmax each; they are merged in order, and the
 // chunks of a long text are merged in order by a second kernel. Every block has at most kThreads threads and the
 // chunk kernels are bounded to it, so a launch never asks for more registers than an SM has.
 //
@@ -292,6 +293,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t b = chunks.text_of(part), chunk = part - chunks.first[b];
   const int64_t n = rows.rows(b), begin = chunk * kChunkRows;
   const int64_t end = std::min(begin + kChunkRows, n), dim = heads * layout.head_packs * VEC;
+  __shared__ int64_t chunk_row[kChunkRows];
+  stage_chunk_rows(rows, b, begin, end, chunk_row);
   const HeadLane<P> me = head_lane<P>(layout, tile, heads);
   acc q[P][VEC];
   load_lane_wide(query, me, layout.seg, q);
@@ -324,7 +327,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int64_t j = base + int64_t{r} * layout.row_lanes + threadIdx.y;
-        at[r] = j < end ? rows.row(b, j) : -1;
+        at[r] = j < end ? chunk_row[j - begin] : -1;
         s[r] = shrunk[r] = acc(0);
         if (at[r] >= 0) {
           load_lane(text + at[r] * sl, me, layout.seg, sd, x[r]);
@@ -569,6 +572,8 @@ __global__ void __launch_bounds__(kThreads)
     return;  // a text with no valid row: its one chunk has no rows
   }
   const int64_t end = std::min(begin + kChunkRows, n), dim = heads * layout.head_packs * VEC;
+  __shared__ int64_t chunk_row[kChunkRows];
+  stage_chunk_rows(rows, b, begin, end, chunk_row);
   const HeadLane<P> me = head_lane<P>(layout, tile, heads);
   const int64_t head = std::min(me.head, heads - 1), bh = b * heads + head;
   const acc best = static_cast<acc>(stats[bh * 2]), total = static_cast<acc>(stats[bh * 2 + 1]);
@@ -594,7 +599,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int64_t j = base + int64_t{r} * layout.row_lanes + threadIdx.y;
-        at[r] = j < end ? rows.row(b, j) : -1;
+        at[r] = j < end ? chunk_row[j - begin] : -1;
         sums[r] = sums[R + r] = shrunk[r] = acc(0);
         if (at[r] >= 0) {
           load_lane(text + at[r] * sl, me, layout.seg, sd, x[r]);

@@ -3,8 +3,8 @@
 // One block reduces one chunk of kChunkRows selected rows of one text, for one tile of features (common.cuh says
 // why). Its threads are kFeatureLanes feature lanes (a 16-byte pack of features each where rows are aligned: a
 // warp reads 512 contiguous bytes of a row) by kThreads / kFeatureLanes row lanes: row lane y takes the chunk's
-// rows y, y + Y, ... in order, kRowsInFlight loads at a time; the Y lanes are then combined in order through shared
-// memory. Tiles one warp wide give a medium batch enough blocks to fill the GPU (32 x 512 x 768 in bfloat16: 384
+// rows y, y + Y, ... in order (their indices staged in shared memory first: stage_chunk_rows), kRowsInFlight loads
+// at a time; the Y lanes are then combined in order through shared memory. Tiles one warp wide give a medium batch enough blocks to fill the GPU (32 x 512 x 768 in bfloat16: 384
 // blocks), and the order of every addition still depends only on D and on the text's own rows. A text with one
 // chunk is finished by that block; longer texts leave per-chunk partial results that a second kernel combines in
 // chunk order.
@@ -63,6 +63,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t b = chunks.text_of(part), chunk = part - chunks.first[b];
   const int64_t n = rows.rows(b), begin = chunk * kChunkRows;
   const int64_t end = std::min(begin + kChunkRows, n);
+  __shared__ int64_t chunk_row[kChunkRows];
+  stage_chunk_rows(rows, b, begin, end, chunk_row);
   const int lanes = blockDim.x, row_lanes = blockDim.y;
   const int64_t packs = dim / VEC, v = tile * lanes + threadIdx.x;
   const bool active = v < packs;
@@ -83,7 +85,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int r = 0; r < kRowsInFlight; ++r) {
         const int64_t j = first + int64_t{r} * row_lanes;
-        at[r] = j < end ? rows.row(b, j) : -1;
+        at[r] = j < end ? chunk_row[j - begin] : -1;
         if (active && at[r] >= 0) {
           load_features<VEC>(text + at[r] * sl, v, sd, x[r]);
         }

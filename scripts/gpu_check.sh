@@ -20,8 +20,10 @@
 # scaling and the end-to-end step), each under its own time cap cut to what is
 # left; a step the deadline leaves no room for is listed as not run. GPU_CHECK_SKIP names steps to leave out, e.g.
 # on a second call: GPU_CHECK_SKIP="suite racecheck synccheck initcheck" (keys: build test_cuda prebuilt suite
-# memcheck bench racecheck synccheck initcheck launch trace ncu scaling end_to_end; without build, the previous call's
-# build folder on a still-warm machine is reused by pip and rebuilds in seconds, so build is never skipped).
+# memcheck bench compare racecheck synccheck initcheck launch trace ncu scaling end_to_end; without build, the previous
+# call's build folder on a still-warm machine is reused by pip and rebuilds in seconds, so build is never skipped).
+# After the report, scripts/compare_reports.py sets it beside the last committed report of the same GPU model
+# (bench/results/cuda-h100.json, cuda-h200.json), where there is one.
 set -uo pipefail
 results="${1:?usage: bash scripts/gpu_check.sh RESULTS_DIR}"
 mkdir -p "$results"
@@ -81,6 +83,13 @@ if step build 300 "build (torch on this machine)" build.log build; then
   step memcheck 150 "compute-sanitizer memcheck" sanitizer_memcheck.log sanitize memcheck
   step bench 300 "benchmark report (CUDA)" bench.log in_site "$py" -m lmk_ops.bench --device cuda \
     --shapes 64x512x1024,8x8192x1024,1x32768x1024 --json "$results/bench-cuda.json"
+  # The report (what it finished, if cut short) against the last committed one of this GPU model, if any.
+  model="$(grep -oE '\b[A-Z][0-9]{3}\b' "$results/gpu.txt" | head -n 1 | tr '[:upper:]' '[:lower:]')"
+  last="$root/bench/results/cuda-$model.json"
+  if [ -n "$model" ] && [ -f "$last" ] && [ -f "$results/bench-cuda.json" ]; then
+    step compare 30 "report vs bench/results/cuda-$model.json" compare.log "$py" "$root/scripts/compare_reports.py" \
+      "$last" "$results/bench-cuda.json"
+  fi
   step launch 120 "host launches vs kernels (forward)" launch_overhead.log in_site "$py" "$root/scripts/cuda_profile.py"
   # Each op's kernels (which instance: VEC in the name) and host calls, forward and forward+backward.
   step trace 90 "torch.profiler trace of every op" cuda_trace.log in_site "$py" "$root/scripts/cuda_trace.py"

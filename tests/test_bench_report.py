@@ -253,3 +253,41 @@ def test_cuda_trace_script_traces_every_case(tmp_path):
     titles = [line for line in done.stdout.splitlines() if line.startswith("=== ")]
     assert len(titles) == 2 * (2 * 6 + 2) + 2, titles
     assert "lmk_ops::mean_pool" in done.stdout and "=== packed first_token_pool" in done.stdout
+
+
+def test_compare_reports_script_sets_two_reports_side_by_side(tmp_path):
+    """scripts/compare_reports.py, which gpu_check.sh runs after the CUDA report against the last committed one of
+    the same GPU: the rows both hold, new over old, each one's time over its floor; an older report's packed rows
+    (no mode: forward only) still match; a file that is not a report is a clear error."""
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "compare_reports.py"
+
+    def run(*args):
+        return subprocess.run([sys.executable, str(path), *map(str, args)], capture_output=True, text=True,
+                              timeout=60)
+
+    def row(mode, ms, **key):
+        return {"op": "mean_pool", "dtype": "float32", "mode": mode, "lmk_ops_ms": ms, "floor_ms": 0.5, **key}
+
+    old = {"machine": "GPU A", "rows": [row("forward", 2.0, shape="8x64x32"), row("forward+backward", 4.0,
+                                                                                   shape="8x64x32")],
+           "packed_rows": [{k: v for k, v in row("forward", 1.0, batch="3 texts, 9x32").items() if k != "mode"}]}
+    new = {"machine": "GPU B", "complete": False,
+           "rows": [row("forward", 1.0, shape="8x64x32"), row("forward", 1.0, shape="1x9x32")],
+           "packed_rows": [row("forward", 1.5, batch="3 texts, 9x32")]}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    done = run(tmp_path / "old.json", tmp_path / "new.json")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "(incomplete: cut short)" in lines[1] and "different machines" in lines[2]
+    assert re.search(r"8x64x32 +forward +2\.000 +1\.000 +0\.50x +4\.00x +2\.00x$", done.stdout, re.M), done.stdout
+    assert re.search(r"3 texts, 9x32 +forward +1\.000 +1\.500 +1\.50x +2\.00x +3\.00x$", done.stdout, re.M)
+    assert "1x9x32" not in done.stdout and "forward+backward" not in done.stdout.split("\n", 4)[-1]
+    assert lines[-1] == "2 rows in both; 1 only in the new one; 1 only in the old one"
+    committed = pathlib.Path(__file__).parents[1] / "bench" / "results" / "cuda-h200.json"
+    same = run(committed, committed)
+    rows = same.stdout.splitlines()[3:-1]
+    assert same.returncode == 0 and len(rows) > 100 and all(re.search(r" 1\.00x( |$)", line) for line in rows)
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    bad = run(tmp_path / "bad.json", tmp_path / "new.json")
+    assert bad.returncode == 1 and "expected a report of python -m lmk_ops.bench --json" in bad.stderr

@@ -1,8 +1,8 @@
 """Two reports of `python -m lmk_ops.bench --json` side by side: for every row both hold (op, dtype, shape or packed
-batch, mode), lmk_ops' time in each, the new over the old, and each one's time over its floor (hidden.sum() on the
-same tensor in the same run, forward rows). scripts/gpu_check.sh runs it after the report against the last committed
-report of the same GPU model, so that a GPU run says at once what a kernel change did. Device time is scarce and
-reports of two runs differ by their machine's state too: read a ratio against the floors' own ratio.
+batch, mode), lmk_ops' time in each, the new over the old, and each one's time over its floor (the report's x_floor:
+hidden.sum() on the same tensor in the same run, forward rows). scripts/gpu_check.sh runs it after the report against
+the last committed report of the same GPU model, so that a GPU run says at once what a kernel change did. Device time
+is scarce and reports of two runs differ by their machine's state too: read a ratio against the floors' own ratio.
 
 Usage: python scripts/compare_reports.py OLD.json NEW.json
 """
@@ -35,8 +35,9 @@ def load(path: str) -> dict:
 
 
 def x_floor(row: dict) -> str:
-    floor = row.get("floor_ms")
-    return f"{row['lmk_ops_ms'] / floor:7.2f}x" if floor and row.get("mode", "forward") == "forward" else ""
+    """The row's own x_floor, as the report wrote it (forward rows only)."""
+    value = row.get("x_floor")
+    return f"{value:7.2f}x" if value is not None else ""
 
 
 def compare(old: dict, new: dict) -> list[str]:

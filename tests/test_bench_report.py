@@ -265,8 +265,9 @@ def test_compare_reports_script_sets_two_reports_side_by_side(tmp_path):
         return subprocess.run([sys.executable, str(path), *map(str, args)], capture_output=True, text=True,
                               timeout=60)
 
-    def row(mode, ms, **key):
-        return {"op": "mean_pool", "dtype": "float32", "mode": mode, "lmk_ops_ms": ms, "floor_ms": 0.5, **key}
+    def row(mode, ms, **key):  # as the report writes a row: x_floor for forward rows only
+        return {"op": "mean_pool", "dtype": "float32", "mode": mode, "lmk_ops_ms": ms, "floor_ms": 0.5,
+                "x_floor": ms / 0.5 if mode == "forward" else None, **key}
 
     old = {"machine": "GPU A", "rows": [row("forward", 2.0, shape="8x64x32"), row("forward+backward", 4.0,
                                                                                    shape="8x64x32")],

@@ -8,9 +8,9 @@
 // through shared memory. Every lane of a head so holds the same bits of each score, and the backward, which uses the
 // same layout and the same head_sums, recomputes the forward's scores bit for bit. Y row lanes take rows y, y + Y,
 // ... of the chunk (their indices staged in shared memory first: stage_chunk_rows), kRowsInFlight / packs at a time,
-// with an online softmax each; they are merged in order, and the
-// chunks of a long text are merged in order by a second kernel. Every block has at most kThreads threads and the
-// chunk kernels are bounded to it, so a launch never asks for more registers than an SM has.
+// with an online softmax each; they are merged in order, and the chunks of a long text are merged in order by a
+// second kernel. Every block has at most kThreads threads and the chunk kernels are bounded to it, so a launch never
+// asks for more registers than an SM has.
 //
 // Backward: a first kernel reads every valid row once and keeps p_l and e_l = <g, x_l - m> + gw_l per (text, head,
 // row), and per chunk the sums of p e, p e (x - m) and p (x - m); a second one sums those per (text, feature) in

@@ -4,10 +4,10 @@
 // why). Its threads are kFeatureLanes feature lanes (a 16-byte pack of features each where rows are aligned: a
 // warp reads 512 contiguous bytes of a row) by kThreads / kFeatureLanes row lanes: row lane y takes the chunk's
 // rows y, y + Y, ... in order (their indices staged in shared memory first: stage_chunk_rows), kRowsInFlight loads
-// at a time; the Y lanes are then combined in order through shared memory. Tiles one warp wide give a medium batch enough blocks to fill the GPU (32 x 512 x 768 in bfloat16: 384
-// blocks), and the order of every addition still depends only on D and on the text's own rows. A text with one
-// chunk is finished by that block; longer texts leave per-chunk partial results that a second kernel combines in
-// chunk order.
+// at a time; the Y lanes are then combined in order through shared memory. Tiles one warp wide give a medium batch
+// enough blocks to fill the GPU (32 x 512 x 768 in bfloat16: 384 blocks), and the order of every addition still
+// depends only on D and on the text's own rows. A text with one chunk is finished by that block; longer texts leave
+// per-chunk partial results that a second kernel combines in chunk order.
 
 #include <algorithm>
 #include <limits>

@@ -785,7 +785,11 @@ struct SoftmaxReducer {
     }
   }
 
-  // add_rows for bfloat16 rows with w in pair order.
+  // add_rows for bfloat16 rows with w in pair order. Tried and not kept (2-core Intel Xeon, family 6 model 167,
+  // 2026-12-07): the score pass storing each full group's rows as it widens them (an L1 scratch of four rows, pair
+  // order) and the sums reading those floats instead of widening the rows again; the same bits, but slower: 2 threads,
+  // 1x32768x1024, three rounds in alternating processes, 16 heads of 64 3.09-3.21 -> 3.85-3.99 ms, one head
+  // 2.56-2.77 -> 3.05-3.18 ms; one thread 8.6-8.7 -> 9.8-9.9 ms with 16 heads.
   template <bool kAhead>
   [[gnu::always_inline]] void add_rows_pairs(float* w, const float* p, const c10::BFloat16* const* x, int k,
                                              const c10::BFloat16* const* ahead) const {

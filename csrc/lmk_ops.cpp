@@ -27,7 +27,7 @@ PYBIND11_MODULE(_C, m) {
         info["cpu_twin"] = lmk_ops::kCpuTwin;
         info["num_threads"] = static_cast<int64_t>(torch::stable::get_num_threads());
         info["cpu_capability"] = lmk_ops::cpu::kernels_capability();
-        info["cpu_prefetch"] = lmk_ops::cpu::prefetch_into_l1 ? "L1" : "L2";
+        info["cpu_prefetch"] = lmk_ops::cpu::prefetch_levels_name();
         return info;
       },
       "What this build of lmk_ops was compiled against and uses at run time.");

@@ -290,7 +290,7 @@ def test_build_info():
     assert info["version"] == lmk_ops.__version__
     assert info["num_threads"] == torch.get_num_threads()
     assert info["cpu_capability"] in ("DEFAULT", "AVX2", "AVX512")
-    assert info["cpu_prefetch"] in ("L1", "L2")
+    assert info["cpu_prefetch"] in ("L1", "L2", "L1 for 16-bit rows, L2 for wider")
     assert isinstance(info["cuda"], bool)
     assert isinstance(info["cpu_twin"], bool)
 
@@ -316,7 +316,8 @@ torch.save(outs, sys.argv[1])
 
 def test_the_prefetch_level_follows_the_cpu():
     """Unset, LMK_OPS_PREFETCH leaves the choice to the CPU: L2 on AMD Zen 4 (family 25, models 0x10-0x1F, 0x60-0x7F,
-    0xA0-0xAF), L1 elsewhere; read here from /proc/cpuinfo, independently of the extension's CPUID probe."""
+    0xA0-0xAF), L1 for 16-bit rows and L2 for wider ones on Intel, L1 elsewhere; read here from /proc/cpuinfo,
+    independently of the extension's CPUID probe."""
     if not os.path.exists("/proc/cpuinfo"):
         pytest.skip("needs /proc/cpuinfo")
     fields: dict[str, str] = {}
@@ -335,21 +336,26 @@ def test_the_prefetch_level_follows_the_cpu():
     done = subprocess.run([sys.executable, "-c", "import lmk_ops; print(lmk_ops.build_info()['cpu_prefetch'])"],
                           capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split()[-1] == ("L2" if zen4 else "L1"), fields
+    intel = fields.get("vendor_id") == "GenuineIntel"
+    expected = "L2" if zen4 else "L1 for 16-bit rows, L2 for wider" if intel else "L1"
+    assert done.stdout.strip().splitlines()[-1] == expected, fields
 
 
 def test_the_prefetch_variable_chooses_the_cache_and_never_the_results(tmp_path):
     results = {}
-    for level in ("l1", "l2"):
+    unset = {k: v for k, v in os.environ.items() if k != "LMK_OPS_PREFETCH"}
+    for level in ("l1", "l2", "the CPU's"):  # the last: unset (on Intel, L1 for 16-bit rows and L2 for wider)
         path = tmp_path / f"{level}.pt"
+        env = dict(unset, LMK_OPS_PREFETCH=level) if level in ("l1", "l2") else unset
         done = subprocess.run([sys.executable, "-c", PREFETCHING_OPS, str(path)], capture_output=True, text=True,
-                              env=dict(os.environ, LMK_OPS_PREFETCH=level))
+                              env=env)
         assert done.returncode == 0, done.stderr[-3000:]
-        assert done.stdout.split()[-1] == level.upper()
+        if level in ("l1", "l2"):
+            assert done.stdout.split()[-1] == level.upper()
         results[level] = torch.load(path)
     assert len(results["l1"]) == 16
-    for into_l1, into_l2 in zip(results["l1"], results["l2"]):
-        assert torch.equal(into_l1, into_l2)
+    for into_l1, into_l2, chosen in zip(results["l1"], results["l2"], results["the CPU's"]):
+        assert torch.equal(into_l1, into_l2) and torch.equal(into_l1, chosen)
 
 
 @pytest.mark.parametrize("value", ["L1", "l3", "0", " l2"])

@@ -44,7 +44,7 @@ namespace {
 // Prefetches (prefetch_read) the cache lines of p[i, i + kSpan) (nothing where p is null): a dot product over a row
 // prefetches a row read soon after, a line for each line it reads, so the requests are spread out. (A burst of a
 // whole row's lines ahead of the dot stalled on the full fill buffers.) Into L1 (prefetcht0) rather than the outer
-// caches (prefetcht2), which Zen 4 takes instead (prefetch_into_l1, kernels_dispatch.cpp): on Zen 5, 2 threads,
+// caches (prefetcht2), which Zen 4 takes instead (prefetches_into_l1, kernels_dispatch.cpp): on Zen 5, 2 threads,
 // seven runs in alternating processes, time over hidden.sum()'s, float32 one head 1x32768x1024 1.17-1.47x ->
 // 1.11-1.46x (faster in six runs of seven), 32x512x768 1.41-2.22x -> 1.25-1.93x, bfloat16 with 12 or 16 heads no
 // worse.

@@ -260,11 +260,18 @@ void for_each_text(const RowList& list, int64_t batch, int64_t dim, int64_t unit
 // or the batch.
 constexpr int kRowGroup = 4;
 
-// Prefetches for reading the cache line that holds p, into L1 or only into L2 as this CPU prefers
-// (prefetch_into_l1; the branch is the same every time). Always inlined: as a call, GCC can find it free of side
-// effects and delete it.
-[[gnu::always_inline]] inline void prefetch_read(const void* p) {
-  if (prefetch_into_l1) {
+// Whether the prefetches of rows of scalar_t go into L1 rather than only into L2, as this CPU prefers for rows of
+// that width (kernel_types.h; the branch is the same every time).
+template <typename scalar_t>
+[[gnu::always_inline]] inline bool prefetches_into_l1() {
+  return sizeof(scalar_t) >= 4 ? prefetch_wide_rows_into_l1 : prefetch_16bit_rows_into_l1;
+}
+
+// Prefetches for reading the cache line that holds p (a row of scalar_t), into L1 or only into L2
+// (prefetches_into_l1). Always inlined: as a call, GCC can find it free of side effects and delete it.
+template <typename scalar_t>
+[[gnu::always_inline]] inline void prefetch_read(const scalar_t* p) {
+  if (prefetches_into_l1<scalar_t>()) {
     __builtin_prefetch(p, 0, 3);
   } else {
     __builtin_prefetch(p, 0, 1);

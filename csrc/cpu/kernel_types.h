@@ -10,9 +10,13 @@ namespace lmk_ops::cpu {
 const Kernels& kernels();
 // Which capability kernels() uses: "DEFAULT", "AVX2" or "AVX512".
 const std::string& kernels_capability();
-// Whether the kernels' software prefetches fill L1 (prefetcht0) or stop at L2 (prefetcht2): chosen once, before
-// any kernel runs, from LMK_OPS_PREFETCH ("l1" or "l2") or else this CPU (kernels_dispatch.cpp says which prefer
-// which). Read by every prefetch (kernel_common.h, prefetch_read), so a variable rather than a call.
-extern const bool prefetch_into_l1;
+// Whether the kernels' software prefetches fill L1 (prefetcht0) or stop at L2 (prefetcht2), for rows of 16-bit
+// values and for rows of 32- and 64-bit ones: chosen once, before any kernel runs, from LMK_OPS_PREFETCH ("l1" or
+// "l2", for both) or else this CPU (kernels_dispatch.cpp says which prefer which). Read by every prefetch
+// (kernel_common.h, prefetches_into_l1), so variables rather than calls.
+extern const bool prefetch_16bit_rows_into_l1;
+extern const bool prefetch_wide_rows_into_l1;
+// Where the prefetches go, as build_info() names it: "L1", "L2", or "L1 for 16-bit rows, L2 for wider".
+const char* prefetch_levels_name();
 
 }  // namespace lmk_ops::cpu

@@ -45,7 +45,7 @@ inline void keep_max(Vec<acc>& best, Vec<same_size_int<acc>>& where, Vec<acc> x,
 // 1.41-1.51x -> 1.27-1.50x; float64 1x16384x1024 1.18-1.24x -> 0.95-1.03x (two rounds); runs of 8 -> 32 (the fold's
 // widening pass a quarter as often): float32 1x32768x1024 1.09-1.13x -> 1.02-1.08x, 8x4096x1024 1.07-1.14x ->
 // 0.97-1.04x, 32x512x768 1.39-1.47x -> 1.34-1.38x, a packed batch of 120 texts x 768 1.23-1.26x -> 1.17-1.18x. On Zen 4
-// (where the kernels prefetch into L2: prefetch_into_l1) the four streams were read late, one thread at 1.5-1.6x
+// (where the kernels prefetch into L2: prefetches_into_l1) the four streams were read late, one thread at 1.5-1.6x
 // hidden.sum()'s time; prefetching the next four rows into L2 as the four are added, float32, two rounds in alternating
 // processes, 10th percentiles, one thread: 1x32768x1024 1.51-1.55x -> 1.14-1.20x, 8x4096x1024 1.59-1.64x -> 1.12-1.16x,
 // the packed 120 texts 1.59-1.66x -> 1.11-1.12x (index_add in float32 1.07-1.16x); two threads: 1.62-1.73x ->
@@ -81,7 +81,7 @@ constexpr int kFoldRows = 32;
 // their time was about hidden.sum()'s plus that of the same work on rows already in L1 (no overlap). So while a
 // row is added, the row prefetch_rows() on (in the selection's order) is prefetched, a line per line read
 // (prefetch_line): three rows on into L1, ten into L2 where the kernels prefetch into L2 only (Zen 4:
-// prefetch_into_l1). Zen 5, 2 threads, mean and max time over hidden.sum()'s, six runs in alternating processes:
+// prefetches_into_l1). Zen 5, 2 threads, mean and max time over hidden.sum()'s, six runs in alternating processes:
 // 1x32768x1024 float32 1.13-1.46x -> 0.95-1.11x, bfloat16 1.10-1.28x -> 0.99-1.13x; 8x4096x1024 float32
 // 1.11-1.43x -> 1.02-1.11x; a packed batch of 120 texts x 768, scatter_reduce's time over the max's 0.91-1.26 ->
 // 0.99-1.11; bfloat16 32x512x768, the one shape that lost, 0.81-1.06x -> 0.99-1.10x. Two rows on did about as
@@ -89,8 +89,9 @@ constexpr int kFoldRows = 32;
 // alternating processes, three rows on -> six -> ten: the bfloat16 maximum of the packed 120 texts 1.57-1.58x ->
 // 1.28-1.32x -> 1.22-1.26x, of 1x32768x1024 1.33-1.35x -> 1.19-1.28x -> 1.23-1.29x; float32 8x4096x1024 1.07-1.12x
 // -> 1.01-1.11x -> 1.03-1.05x; the bfloat16 mean (which takes four rows at a time, add_four_rows) unchanged.
+template <typename scalar_t>
 inline int64_t prefetch_rows() {
-  return prefetch_into_l1 ? 3 : 10;
+  return prefetches_into_l1<scalar_t>() ? 3 : 10;
 }
 
 // Calls step(i) for i = *at, *at + kStep, ... while kStep features fit in n (a vector's, a pair block's, a key
@@ -184,7 +185,7 @@ struct SumReducer {
     int64_t i = 0;
     if (stride == 1) {
       for (; i + V::size() <= width; i += V::size()) {
-        if (!prefetch_into_l1) {  // see kFoldRows
+        if (!prefetches_into_l1<scalar_t>()) {  // see kFoldRows
           for (int k = 0; k < 4; ++k) {
             prefetch_line(ahead[k], i);
           }
@@ -529,7 +530,7 @@ void pool_forward(const Tensor& hidden, const RowList& list, const ChunkPlan& pl
         reducer.init(block + first * sl, sd, n, first);
       }
       // Adds selected row j alone, prefetching the row prefetch_rows() on (ahead_of).
-      const int64_t distance = prefetch_rows();
+      const int64_t distance = prefetch_rows<scalar_t>();
       const auto add_one = [&](int64_t j) {
         const int64_t l = rows.list->row(b, j);
         reducer.add_row(block + l * sl, l, sd, n, ahead_of(j + distance));

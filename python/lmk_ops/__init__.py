@@ -26,8 +26,9 @@ def build_info() -> dict:
     it uses PyTorch's stable ABI only), ``cuda`` (CUDA kernels compiled in),
     ``num_threads`` (threads the CPU kernels use: torch's own pool, ``torch.get_num_threads()``),
     ``cpu_capability`` (the vectorised kernel set in use: DEFAULT, AVX2 or AVX512), ``cpu_prefetch`` (the cache the
-    CPU kernels prefetch the rows they read next into: L1, or L2 on AMD Zen 4, where L1 prefetches were slow; the
-    variable ``LMK_OPS_PREFETCH=l1`` or ``l2`` chooses), ``cpu_twin`` (a test build whose
+    CPU kernels prefetch the rows they read next into: L1; L2 on AMD Zen 4, where L1 prefetches were slow; on Intel
+    CPUs "L1 for 16-bit rows, L2 for wider", where float32 rows read faster so; the variable
+    ``LMK_OPS_PREFETCH=l1`` or ``l2`` chooses one for every row), ``cpu_twin`` (a test build whose
     CPU tensors take the op-layer paths a CUDA build runs; False in every release).
     """
     return dict(_C.build_info())

@@ -51,8 +51,8 @@ def check_torch(build, torch_version: str, torch_cuda: str | None) -> None:
 
 
 def check_prefetch_variable(environ: Mapping[str, str]) -> None:
-    """LMK_OPS_PREFETCH, where set, names the cache the CPU kernels prefetch into: l1 or l2 (unset: chosen for this
-    CPU, build_info()["cpu_prefetch"])."""
+    """LMK_OPS_PREFETCH, where set, names the cache the CPU kernels prefetch into, for rows of every dtype: l1 or
+    l2 (unset: chosen for this CPU and the rows' width, build_info()["cpu_prefetch"])."""
     value = environ.get("LMK_OPS_PREFETCH")
     if value not in (None, "", "l1", "l2"):
         raise ValueError(f"lmk_ops: expected LMK_OPS_PREFETCH to be 'l1' or 'l2' (or unset), got {value!r}")

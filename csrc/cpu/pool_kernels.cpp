@@ -77,18 +77,18 @@ inline void keep_max(Vec<acc>& best, Vec<same_size_int<acc>>& where, Vec<acc> x,
 // -> 1.10-1.64x.
 constexpr int kFoldRows = 32;
 
-// The hardware prefetchers alone left the mean and the maximum waiting on memory after each row: on one thread
-// their time was about hidden.sum()'s plus that of the same work on rows already in L1 (no overlap). So while a
-// row is added, the row prefetch_rows() on (in the selection's order) is prefetched, a line per line read
-// (prefetch_line): three rows on into L1, ten into L2 where the kernels prefetch into L2 only (Zen 4:
+// The hardware prefetchers alone left the mean and the maximum waiting on memory after each row: on one thread their
+// time was about hidden.sum()'s plus that of the same work on rows already in L1 (no overlap). So while a row is added,
+// the row prefetch_rows() on (in the selection's order) is prefetched, a line per line read (prefetch_line): three rows
+// on into L1, ten into L2 where the kernels prefetch into L2 only (Zen 4, and rows of 32- and 64-bit values on Intel:
 // prefetches_into_l1). Zen 5, 2 threads, mean and max time over hidden.sum()'s, six runs in alternating processes:
-// 1x32768x1024 float32 1.13-1.46x -> 0.95-1.11x, bfloat16 1.10-1.28x -> 0.99-1.13x; 8x4096x1024 float32
-// 1.11-1.43x -> 1.02-1.11x; a packed batch of 120 texts x 768, scatter_reduce's time over the max's 0.91-1.26 ->
-// 0.99-1.11; bfloat16 32x512x768, the one shape that lost, 0.81-1.06x -> 0.99-1.10x. Two rows on did about as
-// well, one and four worse, prefetcht2 (into L2) worse on one thread. Zen 4, into L2, 2 threads, three rounds in
-// alternating processes, three rows on -> six -> ten: the bfloat16 maximum of the packed 120 texts 1.57-1.58x ->
-// 1.28-1.32x -> 1.22-1.26x, of 1x32768x1024 1.33-1.35x -> 1.19-1.28x -> 1.23-1.29x; float32 8x4096x1024 1.07-1.12x
-// -> 1.01-1.11x -> 1.03-1.05x; the bfloat16 mean (which takes four rows at a time, add_four_rows) unchanged.
+// 1x32768x1024 float32 1.13-1.46x -> 0.95-1.11x, bfloat16 1.10-1.28x -> 0.99-1.13x; 8x4096x1024 float32 1.11-1.43x ->
+// 1.02-1.11x; a packed batch of 120 texts x 768, scatter_reduce's time over the max's 0.91-1.26 -> 0.99-1.11; bfloat16
+// 32x512x768, the one shape that lost, 0.81-1.06x -> 0.99-1.10x. Two rows on did about as well, one and four worse,
+// prefetcht2 (into L2) worse on one thread. Zen 4, into L2, 2 threads, three rounds in alternating processes, three
+// rows on -> six -> ten: the bfloat16 maximum of the packed 120 texts 1.57-1.58x -> 1.28-1.32x -> 1.22-1.26x, of
+// 1x32768x1024 1.33-1.35x -> 1.19-1.28x -> 1.23-1.29x; float32 8x4096x1024 1.07-1.12x -> 1.01-1.11x -> 1.03-1.05x; the
+// bfloat16 mean (which takes four rows at a time, add_four_rows) unchanged.
 template <typename scalar_t>
 inline int64_t prefetch_rows() {
   return prefetches_into_l1<scalar_t>() ? 3 : 10;

@@ -264,7 +264,7 @@ constexpr int kRowGroup = 4;
 // that width (kernel_types.h; the branch is the same every time).
 template <typename scalar_t>
 [[gnu::always_inline]] inline bool prefetches_into_l1() {
-  return sizeof(scalar_t) >= 4 ? prefetch_wide_rows_into_l1 : prefetch_16bit_rows_into_l1;
+  return sizeof(scalar_t) >= 4 ? prefetch_levels.wide_into_l1 : prefetch_levels.narrow_into_l1;
 }
 
 // Prefetches for reading the cache line that holds p (a row of scalar_t), into L1 or only into L2

@@ -85,11 +85,6 @@ bool is_zen4() {
                             (model >= 0xA0 && model <= 0xAF));
 }
 
-// Where the prefetches of 16-bit rows and of wider rows go (into L1: true).
-struct PrefetchLevels {
-  bool narrow_into_l1, wide_into_l1;
-};
-
 // LMK_OPS_PREFETCH=l1 or l2 where set, for every row (lmk_ops' import refuses other values); else L2 on Zen 4, L2
 // for rows of 32- and 64-bit values and L1 for 16-bit ones on Intel CPUs, and L1 elsewhere.
 // The kernels prefetch the rows they read next into L1, which measured faster on Zen 5 and no slower on an Intel
@@ -126,16 +121,13 @@ PrefetchLevels choose_prefetch_levels() {
   return {true, !__builtin_cpu_is("intel")};
 }
 
-const PrefetchLevels prefetch_levels = choose_prefetch_levels();
-
 }  // namespace
 
-extern const bool prefetch_16bit_rows_into_l1 = prefetch_levels.narrow_into_l1;
-extern const bool prefetch_wide_rows_into_l1 = prefetch_levels.wide_into_l1;
+extern const PrefetchLevels prefetch_levels = choose_prefetch_levels();
 
 const char* prefetch_levels_name() {
-  if (prefetch_16bit_rows_into_l1 == prefetch_wide_rows_into_l1) {
-    return prefetch_16bit_rows_into_l1 ? "L1" : "L2";
+  if (prefetch_levels.narrow_into_l1 == prefetch_levels.wide_into_l1) {
+    return prefetch_levels.narrow_into_l1 ? "L1" : "L2";
   }
   return "L1 for 16-bit rows, L2 for wider";  // the one split choose_prefetch_levels makes (Intel)
 }
